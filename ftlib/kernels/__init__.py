@@ -1,0 +1,11 @@
+"""Kernels for the hot spots, each with a pure-PyTorch reference beside it.
+
+``attention(q, k, v, *, causal, cu_seqlens, max_seqlen, softmax_scale)`` is the
+one attention entry point the model calls; see ``dispatch.py`` for how a
+backend is chosen (``FTLIB_ATTN_BACKEND=auto|flash|triton|torch``).
+"""
+
+from .attention_ref import attention_ref
+from .dispatch import attention, attention_backend
+
+__all__ = ["attention", "attention_backend", "attention_ref"]

@@ -1,0 +1,125 @@
+"""Pure-PyTorch reference attention: the CPU path, the test oracle and the fallback.
+
+Math (per query row i, head h, key/value head g = h // (Hq / Hkv)):
+
+    s_ij  = scale * <q_i, k_j>            for keys j the query may see
+    lse_i = log sum_j exp(s_ij)
+    o_i   = sum_j exp(s_ij - lse_i) v_j
+
+A query may see key j when j is in the same document and, if ``causal``, when
+``j <= i + (Tk - Tq)`` (bottom-right alignment, the flash-attn >= 2.1 convention,
+so a decoding step with Tq=1 sees the whole cache). Rows that see no key at all
+(fully padded) return zeros and ``lse = -inf`` instead of NaN.
+
+Layouts (DESIGN.md "Attention op"):
+
+- dense:  q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], optional ``key_padding_mask``
+  [B, Tk] (True/1 = real token);
+- varlen: q [N, Hq, D], k/v [N, Hkv, D] with ``cu_seqlens`` int32 [n_docs + 1]
+  (cumulative document starts over the N packed tokens); no query attends
+  outside its document.
+
+Grouped-query attention is computed by viewing the Hq query heads as
+[Hkv, Hq/Hkv] groups; K and V are never repeated in memory. Scores are computed
+in float32 (float64 stays float64) and the output is cast back to q's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_ref"]
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> None:
+    want = 4 if dense else 3
+    layout = "[B, T, H, D]" if dense else "[N, H, D]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != want:
+            raise ValueError(f"attention: {name} must be {layout}, got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"attention: head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"attention: Hq={hq} must be a positive multiple of Hkv={hkv}")
+    if dense and q.shape[0] != k.shape[0]:
+        raise ValueError(f"attention: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
+    if not dense and q.shape[0] != k.shape[0]:
+        raise ValueError(f"attention: varlen q and k must have the same N, got {q.shape[0]} and {k.shape[0]}")
+
+
+def _dense(q, k, v, causal, scale, key_padding_mask):
+    # q (B, Tq, Hq, D); k, v (B, Tk, Hkv, D)
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf = q.to(cdt).reshape(b, tq, hkv, g, d)
+    kf, vf = k.to(cdt), v.to(cdt)
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qf, kf) * scale  # (B, Hkv, G, Tq, Tk)
+    allowed = torch.ones(tq, tk, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = torch.tril(allowed, diagonal=tk - tq)
+    allowed = allowed.view(1, 1, 1, tq, tk)
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (b, tk):
+            raise ValueError(
+                f"attention: key_padding_mask must be [B, Tk]={(b, tk)}, got {tuple(key_padding_mask.shape)}"
+            )
+        allowed = allowed & key_padding_mask.bool().view(b, 1, 1, 1, tk)
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Tq)
+    p = torch.exp(s - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
+    p = p.masked_fill(~allowed, 0.0)
+    o = torch.einsum("bhgqk,bkhd->bqhgd", p, vf).reshape(b, tq, hq, d)
+    return o.to(q.dtype), lse.reshape(b, hq, tq)
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    softmax_scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
+    """Reference attention; see the module docstring for layouts and semantics.
+
+    Returns ``o`` shaped like ``q`` or, with ``return_lse``, ``(o, lse)`` where
+    lse is float32/float64 [B, Hq, Tq] (dense) or [Hq, N] (varlen).
+    """
+    dense = q.dim() == 4
+    _check(q, k, v, dense)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if dense:
+        if cu_seqlens is not None:
+            raise ValueError("attention: cu_seqlens is for the varlen layout [N, H, D]; q is dense [B, T, H, D]")
+        o, lse = _dense(q, k, v, causal, scale, key_padding_mask)
+        return (o, lse) if return_lse else o
+    if key_padding_mask is not None:
+        raise ValueError("attention: key_padding_mask applies to the dense layout only")
+    n = q.shape[0]
+    if cu_seqlens is None:
+        cu = [0, n]
+    else:
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        if cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"attention: cu_seqlens must rise from 0 to N={n}, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+    o = torch.empty_like(q)
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.full((q.shape[1], n), float("-inf"), dtype=cdt, device=q.device)
+    for s, e in zip(cu, cu[1:]):
+        if e == s:
+            continue
+        od, ld = _dense(q[None, s:e], k[None, s:e], v[None, s:e], causal, scale, None)
+        o[s:e] = od[0]
+        lse[:, s:e] = ld[0]
+    return (o, lse) if return_lse else o
