@@ -1,0 +1,34 @@
+"""Llama-family models with Hugging Face checkpoint I/O and KV-cache generation.
+
+- ``LlamaConfig`` / ``LlamaForCausalLM``: the decoder (Llama 2/3/3.1/3.2, Qwen2/2.5, Mistral);
+- ``load_pretrained`` / ``save_pretrained``: config.json + sharded safetensors, loaded tensor by tensor;
+- ``load_tokenizer``: tokenizer.json + special tokens + sandboxed chat template;
+- ``generate`` / ``KVCache``: decoding with a cache that lives outside the model.
+"""
+
+from .config import LlamaConfig
+from .generate import KVCache, generate, sample_next
+from .hub import load_config, load_pretrained, parse_size, save_pretrained
+from .llama import LlamaForCausalLM, LlamaModel, RMSNorm
+from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .tokenizer import PretrainedTokenizer, load_tokenizer, render_chat_template
+
+__all__ = [
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "LlamaModel",
+    "RMSNorm",
+    "KVCache",
+    "generate",
+    "sample_next",
+    "load_config",
+    "load_pretrained",
+    "save_pretrained",
+    "parse_size",
+    "load_tokenizer",
+    "PretrainedTokenizer",
+    "render_chat_template",
+    "apply_rope",
+    "rope_cos_sin",
+    "rope_inv_freq",
+]

@@ -1,0 +1,179 @@
+"""KV-cache decoding for evaluation and demos: greedy, temperature, top-k, top-p, stop tokens.
+
+The cache lives outside the model. ``KVCache`` preallocates, per layer, keys and
+values [B, max_len, Hkv, D] plus a key mask [B, max_len] (False for padded
+prompt slots and slots not written yet). A forward with ``kv_cache=`` writes the
+T new keys/values at ``cache.length`` and attends over slots [0, length + T)
+with bottom-right causal alignment, so query i of the step sees every earlier
+slot and itself; then ``length += T``.
+
+Positions: each row counts its real tokens (``next_position`` [B]), so a
+left-padded prompt gets positions 0, 1, ... on its first real token, exactly
+as the same prompt unpadded.
+
+Sampling of the next token from logits z (float32) at the last position:
+
+    greedy            argmax z                              (temperature == 0)
+    temperature T     p = softmax(z / T)
+    top-k             keep the k largest z, others -inf
+    top-p (nucleus)   keep the smallest set of most likely tokens whose
+                      probability mass reaches p (Holtzman et al. 2019)
+
+Generation runs under ``torch.no_grad()``; the model's training mode is left as
+the caller set it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["KVCache", "generate", "sample_next"]
+
+
+class KVCache:
+    """Preallocated per-layer key/value buffers [B, max_len, Hkv, D] and a key mask [B, max_len]."""
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 *, dtype: torch.dtype = torch.float32, device=None):
+        shape = (batch_size, max_len, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.key_mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.next_position = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self.batch_size, self.max_len = batch_size, max_len
+        self.length = 0  # slots written by completed forwards
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, max_len: int, *, dtype=None, device=None) -> KVCache:
+        """A cache shaped for ``model`` (a LlamaForCausalLM), in its parameters' dtype and device."""
+        cfg = model.config
+        p = next(model.parameters())
+        return cls(cfg.num_hidden_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                   dtype=dtype or p.dtype, device=device or p.device)
+
+    def reset(self) -> None:
+        """Forget everything written (buffers are kept for reuse)."""
+        self.key_mask.zero_()
+        self.next_position.zero_()
+        self.length = 0
+
+    # -- called by the model's forward -------------------------------------------------
+    def prepare(self, attention_mask: torch.Tensor | None, t: int) -> torch.Tensor:
+        """Mark slots [length, length+t) valid per ``attention_mask`` [B, t]; return position_ids [B, t]."""
+        end = self.length + t
+        if end > self.max_len:
+            raise ValueError(f"KVCache is full: {self.length} slots used + {t} new > max_len={self.max_len}")
+        if attention_mask is None:
+            mask = torch.ones(self.batch_size, t, dtype=torch.bool, device=self.key_mask.device)
+        else:
+            if attention_mask.shape != (self.batch_size, t):
+                raise ValueError(
+                    f"with a KVCache attention_mask covers the new tokens only: expected {(self.batch_size, t)}, "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            mask = attention_mask.bool()
+        self.key_mask[:, self.length:end] = mask
+        counts = mask.long().cumsum(-1)  # (B, t)
+        positions = (self.next_position[:, None] + counts - 1).clamp(min=0)
+        self._pending = counts[:, -1]
+        return positions
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k/v [B, t, Hkv, D] at the cache position; return keys, values, mask over slots [0, length+t)."""
+        end = self.length + k.shape[1]
+        self.k[layer][:, self.length:end] = k
+        self.v[layer][:, self.length:end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end], self.key_mask[:, :end]
+
+    def advance(self, t: int) -> None:
+        """Commit the t tokens of the forward that just ran."""
+        self.length += t
+        self.next_position += self._pending
+
+
+def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids [B] from logits [B, V] (see the module docstring for the rules)."""
+    logits = logits.to(torch.float32)
+    if temperature == 0.0:
+        return logits.argmax(-1)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    logits = logits / temperature
+    if top_k is not None:
+        if top_k <= 0:
+            raise ValueError(f"top_k must be positive, got {top_k}")
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass of the tokens ranked before it already reaches top_p
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: Iterable[int] | int | None = None,
+    pad_token_id: int = 0,
+    generator: torch.Generator | None = None,
+    kv_cache: KVCache | None = None,
+) -> torch.Tensor:
+    """Decode up to ``max_new_tokens`` after ``input_ids`` [B, T] (left-padded when ``attention_mask`` has 0s).
+
+    Returns the new tokens [B, N], N <= max_new_tokens: a row that emits a stop
+    token keeps it and is filled with ``pad_token_id`` after it; decoding ends
+    early once every row has stopped. ``kv_cache`` (optional) must be empty and
+    hold at least T + max_new_tokens slots; by default one is allocated here.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+    b, t = input_ids.shape
+    if attention_mask is not None:
+        if attention_mask.shape != (b, t):
+            raise ValueError(f"attention_mask must be [B, T]={(b, t)}, got {tuple(attention_mask.shape)}")
+        m = attention_mask.bool()
+        if (m[:, :-1] & ~m[:, 1:]).any():  # a real token followed by a pad: right padding
+            raise ValueError("generate needs left-padded prompts (pads before the tokens in attention_mask)")
+    if isinstance(stop_tokens, int):
+        stop_tokens = [stop_tokens]
+    stops = torch.tensor(list(stop_tokens or []), dtype=torch.long, device=input_ids.device)
+    if kv_cache is None:
+        kv_cache = KVCache.for_model(model, b, t + max_new_tokens)
+    elif kv_cache.length != 0 or kv_cache.max_len < t + max_new_tokens or kv_cache.batch_size != b:
+        raise ValueError(
+            f"kv_cache must be empty with batch {b} and >= {t + max_new_tokens} slots; got length "
+            f"{kv_cache.length}, batch {kv_cache.batch_size}, max_len {kv_cache.max_len}"
+        )
+
+    out = torch.full((b, max_new_tokens), pad_token_id, dtype=torch.long, device=input_ids.device)
+    done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+    step_ids, step_mask = input_ids, attention_mask
+    n = 0
+    for n in range(1, max_new_tokens + 1):
+        hidden = model.model(step_ids, attention_mask=step_mask, kv_cache=kv_cache)  # (B, T_step, H)
+        logits = model.lm_head(hidden[:, -1])  # (B, V): only the last position is needed
+        nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
+        out[:, n - 1] = nxt
+        done |= torch.isin(nxt, stops)
+        if bool(done.all()):
+            break
+        step_ids, step_mask = nxt[:, None], None
+    return out[:, :n]

@@ -1,0 +1,239 @@
+"""Load and save Hugging Face checkpoints: config.json + (sharded) safetensors + index.
+
+Format (the layout ``transformers`` reads and writes):
+
+    config.json                          model_type, sizes, architectures, dtype
+    model.safetensors                    all tensors, or, above the shard size,
+    model-00001-of-0000N.safetensors     shards, and
+    model.safetensors.index.json         {"metadata": {"total_size": bytes},
+                                          "weight_map": {tensor name: shard file}}
+
+Safetensors spec: https://huggingface.co/docs/safetensors (8-byte header
+length, JSON header of dtype/shape/offsets, raw little-endian data).
+
+Memory when loading: the model is built on the ``meta`` device (no storage),
+then each tensor is read on its own with ``safe_open`` (the file is
+memory-mapped; a tensor becomes resident when read), converted to the target
+dtype and moved to the target device, and installed as the parameter. Host
+memory therefore peaks near one copy of the weights in the target dtype plus
+one tensor in flight, never a full float32 model and a state dict side by side:
+an 8B bf16 checkpoint loaded to CPU in bf16 peaks at about 16 GB (page cache of
+the mapped shard is shared with the OS and released as files close); loaded to
+a GPU, host memory stays near one tensor. ``benchmarks/bench_load.py`` measures it.
+
+Every file ``save_pretrained`` writes goes to a temporary name in the target
+directory and is renamed into place; the index (when sharded) is written after
+the shards it names, and stale weight files from an earlier save are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import ARCHITECTURES, LlamaConfig
+from .llama import LlamaForCausalLM
+from .tokenizer import load_tokenizer, resolve_model_dir
+
+__all__ = ["load_pretrained", "save_pretrained", "load_tokenizer", "load_config", "parse_size"]
+
+_SINGLE = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # old checkpoints saved the RoPE buffer
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def load_config(path_or_repo_id: str | os.PathLike) -> LlamaConfig:
+    """``LlamaConfig`` from the config.json of a local directory or a hub repo id."""
+    root = resolve_model_dir(path_or_repo_id)
+    return _read_config(root / "config.json")
+
+
+def _read_config(path: Path) -> LlamaConfig:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: config.json not found")
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON: {e}") from None
+    return LlamaConfig.from_hf_dict(d, source=str(path))
+
+
+def _weight_files(root: Path) -> dict[str, list[str]]:
+    """{file path: [tensor names]} from the index, or {model.safetensors: None-marker []} for one file."""
+    index = root / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (need a 'weight_map' object): {e}") from None
+        files: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            files.setdefault(str(root / fname), []).append(name)
+        for f in files:
+            if not os.path.isfile(f):
+                raise FileNotFoundError(f"{index}: names shard {os.path.basename(f)}, which is missing")
+        return files
+    single = root / _SINGLE
+    if single.is_file():
+        return {str(single): []}
+    raise FileNotFoundError(f"{root}: no {_SINGLE} or {_INDEX} (only safetensors checkpoints are loaded)")
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Install ``value`` as the parameter/buffer ``name`` (replacing a meta tensor)."""
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    if attr in mod._parameters:
+        old = mod._parameters[attr]
+        mod._parameters[attr] = nn.Parameter(value, requires_grad=old.requires_grad)
+    else:
+        mod._buffers[attr] = value
+
+
+def load_pretrained(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str | None = None) -> LlamaForCausalLM:
+    """Build a ``LlamaForCausalLM`` from a checkpoint directory or hub repo id.
+
+    ``dtype`` (torch dtype or "bfloat16"/"float16"/"float32"): target dtype of every
+    floating tensor; None keeps each tensor's stored dtype. ``device``: target
+    device (default CPU). A repo id is fetched through ``huggingface_hub`` (its
+    cache; no network when already cached). Raises with the file and tensor name
+    on a missing or unexpected tensor, a shape mismatch or a corrupt file.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    device = torch.device(device if device is not None else "cpu")
+    root = resolve_model_dir(path_or_repo_id)
+    config = _read_config(root / "config.json")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = dict(model.state_dict(keep_vars=True))
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    loaded: dict[str, str] = {}
+    # Read straight onto a GPU when that is the target, so host memory holds no tensor at all.
+    read_device = str(device) if device.type == "cuda" else "cpu"
+
+    for fname, listed in _weight_files(root).items():
+        try:
+            with safe_open(fname, framework="pt", device=read_device) as f:
+                names = list(f.keys())
+                missing_listed = sorted(set(listed) - set(names))
+                if missing_listed:
+                    raise ValueError(f"{fname}: index lists tensors the file lacks: {missing_listed[:5]}")
+                for name in names:
+                    if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                        continue
+                    if name not in expected:
+                        raise ValueError(f"{fname}: unexpected tensor {name!r} (not part of a {config.model_type} model)")
+                    if name in loaded:
+                        raise ValueError(f"{fname}: tensor {name!r} also stored in {loaded[name]}")
+                    want = tuple(expected[name].shape)
+                    got = tuple(f.get_slice(name).get_shape())
+                    if got != want:
+                        raise ValueError(f"{fname}: tensor {name!r} has shape {got}, the config expects {want}")
+                    t = f.get_tensor(name)  # one tensor resident at a time
+                    if dtype is not None and t.is_floating_point():
+                        t = t.to(dtype)
+                    _set_tensor(model, name, t.to(device))
+                    loaded[name] = fname
+        except SafetensorError as e:
+            raise ValueError(f"{fname}: corrupt or truncated safetensors file: {e}") from None
+
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"{root}: checkpoint is missing tensors {missing[:5]}{more}")
+    model.tie_weights()
+    return model
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like "5GB", "500MB", "10KB", "2GiB" (GB = 10**9, GiB = 2**30)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size {size!r}: expected bytes or a string like '5GB'")
+    unit = (m.group(2) or "B").upper()
+    power = " KMGT".index(unit[0]) if unit != "B" else 0
+    base = 1024 if "I" in unit else 1000
+    return int(float(m.group(1)) * base**power)
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> list[str]:
+    """Write ``model`` in the Hugging Face layout ``transformers`` loads; return the files written.
+
+    Tensors are copied to CPU one shard at a time. A tied ``lm_head.weight`` is
+    not stored (the config says tie_word_embeddings). Shards are written in
+    state_dict order, a new shard starting when the next tensor would pass
+    ``max_shard_size``.
+    """
+    from safetensors.torch import save_file
+
+    config: LlamaConfig = model.config
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    limit = parse_size(max_shard_size)
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    n = len(shards)
+    names = [_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    written = []
+    for fname, keys in zip(names, shards):
+        tensors = {k: state[k].detach().to("cpu").contiguous() for k in keys}
+        _atomic_write(root / fname, lambda tmp, tensors=tensors: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+        written.append(fname)
+    if n > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+            "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys},
+        }
+        _atomic_write(root / _INDEX, lambda tmp: tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
+        written.append(_INDEX)
+
+    cfg = {"architectures": [ARCHITECTURES[config.model_type]], **config.to_hf_dict()}
+    if len(dtypes) == 1:
+        dtype_name = str(dtypes.pop()).removeprefix("torch.")
+        cfg["torch_dtype"] = cfg["dtype"] = dtype_name
+    _atomic_write(root / "config.json", lambda tmp: tmp.write_text(json.dumps(cfg, indent=2) + "\n"))
+    written.append("config.json")
+
+    # weight files of an earlier save into this directory would be read in place of ours
+    for old in root.glob("model*.safetensors*"):
+        if old.name not in written and (old.name == _INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", old.name)):
+            old.unlink()
+    return written

@@ -1,0 +1,314 @@
+"""Llama-family decoder (Llama 2 / 3 / 3.1 / 3.2, Qwen2 / 2.5, Mistral) in plain PyTorch.
+
+Per block, with x [B, T, H] (pre-norm residual stream):
+
+    h   = x + o_proj(attention(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
+    out = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))          (SwiGLU)
+    n(x) = w * x / sqrt(mean(x^2) + eps)                                 (RMSNorm, in float32)
+
+then ``logits = lm_head(norm(x_L))``. Attention is grouped-query (Hq query heads
+share Hkv key/value heads) and goes through ``ftlib.kernels.attention``.
+
+References: Touvron et al. 2023 (Llama 2), Dubey et al. 2024 (Llama 3), Zhang &
+Sennrich 2019 (RMSNorm), Shazeer 2020 (GLU variants), Ainslie et al. 2023 (GQA).
+
+Module names mirror Hugging Face's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
+``MistralForCausalLM`` so ``state_dict()`` keys equal the checkpoint keys
+(``model.layers.0.self_attn.q_proj.weight`` ...). Projections are plain
+``nn.Linear`` so adapters can wrap them.
+
+Three batch layouts (see DESIGN.md, "Batch"):
+
+- plain: ``input_ids`` [B, T], causal attention, positions 0..T-1;
+- padded: plus ``attention_mask`` [B, T] (1 = token, 0 = pad; left or right
+  padding); pads are masked as keys and positions count real tokens only;
+- packed: plus ``cu_seqlens`` int32 [n_docs + 1] over the flattened B*T tokens
+  (and ``position_ids`` restarting at 0 per document, derived from cu_seqlens
+  when absent); the varlen attention keeps every document separate.
+
+Decoding passes a ``KVCache`` (``ftlib.models.generate``): the new K/V are
+written at the cache position and the queries attend over the whole cache with
+bottom-right causal alignment and a key mask hiding padded prompt slots. The
+model itself holds no inference state.
+
+Activation checkpointing (non-reentrant) is a switch:
+``model.set_gradient_checkpointing(every=k, part="block"|"attn"|"mlp")``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..kernels import attention
+from .config import LlamaConfig
+from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+__all__ = [
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "LlamaModel",
+    "LlamaDecoderLayer",
+    "LlamaAttention",
+    "LlamaMLP",
+    "RMSNorm",
+]
+
+_PARTS = ("block", "attn", "mlp")
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), normalised in float32 and cast back before the scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+@dataclass
+class _AttnInputs:
+    """What every attention layer of one forward shares (built once in ``LlamaModel.forward``)."""
+
+    cos: torch.Tensor  # (B, T, D) in the activations' dtype
+    sin: torch.Tensor
+    key_padding_mask: torch.Tensor | None = None  # (B, T) dense padded batches
+    cu_seqlens: torch.Tensor | None = None  # (n_docs + 1,) int32 packed batches
+    max_seqlen: int | None = None
+    kv_cache: Any = None  # ftlib.models.generate.KVCache
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with RoPE; q/k/v/o are plain ``nn.Linear``."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
+
+    def forward(self, x: torch.Tensor, a: _AttnInputs) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # (B, T, Hq, D)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
+        if a.cu_seqlens is not None:
+            # varlen: (B*T, H, D); documents never see each other
+            o = attention(
+                q.reshape(b * t, self.num_heads, self.head_dim),
+                k.reshape(b * t, self.num_kv_heads, self.head_dim),
+                v.reshape(b * t, self.num_kv_heads, self.head_dim),
+                causal=True, cu_seqlens=a.cu_seqlens, max_seqlen=a.max_seqlen, softmax_scale=self.scale,
+            )
+        elif a.kv_cache is not None:
+            # decode: keys are the cache up to and including these T tokens, (B, L, Hkv, D)
+            k_all, v_all, key_mask = a.kv_cache.update(self.layer_idx, k, v)
+            o = attention(q, k_all, v_all, causal=True, softmax_scale=self.scale, key_padding_mask=key_mask)
+        else:
+            o = attention(q, k, v, causal=True, softmax_scale=self.scale, key_padding_mask=a.key_padding_mask)
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; ``checkpoint_part`` in (None, "block", "attn", "mlp") selects what is recomputed."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.checkpoint_part: str | None = None
+
+    def _attn(self, x: torch.Tensor, a: _AttnInputs) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x), a)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(x))
+
+    def _block(self, x: torch.Tensor, a: _AttnInputs) -> torch.Tensor:
+        h = x + self._attn(x, a)
+        return h + self._mlp(h)
+
+    def forward(self, x: torch.Tensor, a: _AttnInputs) -> torch.Tensor:
+        # Recomputation only pays when a backward will follow; decoding writes the cache and must run once.
+        part = self.checkpoint_part if torch.is_grad_enabled() and a.kv_cache is None else None
+        if part == "block":
+            return checkpoint(self._block, x, a, use_reentrant=False)
+        if part == "attn":
+            h = x + checkpoint(self._attn, x, a, use_reentrant=False)
+        else:
+            h = x + self._attn(x, a)
+        if part == "mlp":
+            return h + checkpoint(self._mlp, h, use_reentrant=False)
+        return h + self._mlp(h)
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder blocks and final norm; ``forward`` returns the normed hidden states [B, T, H]."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        kv_cache: Any = None,
+    ) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        if attention_mask is not None and attention_mask.shape != (b, t):
+            raise ValueError(f"attention_mask must be [B, T]={(b, t)}, got {tuple(attention_mask.shape)}")
+        if position_ids is not None and position_ids.shape != (b, t):
+            raise ValueError(f"position_ids must be [B, T]={(b, t)}, got {tuple(position_ids.shape)}")
+        key_mask = None
+        if cu_seqlens is not None:
+            if attention_mask is not None or kv_cache is not None:
+                raise ValueError("cu_seqlens (packed batch) cannot be combined with attention_mask or kv_cache")
+            if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"cu_seqlens must be a 1-D int32 tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+            if max_seqlen is None:
+                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            if position_ids is None:
+                position_ids = _positions_from_cu_seqlens(cu_seqlens, b, t)
+            longest = max_seqlen
+        elif kv_cache is not None:
+            default_pos = kv_cache.prepare(attention_mask, t)
+            position_ids = default_pos if position_ids is None else position_ids
+            longest = kv_cache.length + t
+        else:
+            if attention_mask is not None:
+                key_mask = attention_mask.bool()
+                if position_ids is None:  # count real tokens only: left padding starts at 0 too
+                    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            if position_ids is None:
+                position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+            longest = t
+        window = self.config.sliding_window
+        if window is not None and longest > window:
+            raise ValueError(
+                f"sequence of {longest} tokens exceeds sliding_window={window}; ftlib's attention has no "
+                "sliding window, so such sequences would differ from the reference model"
+            )
+
+        x = self.embed_tokens(input_ids)  # (B, T, H)
+        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling, x.device)
+        cos, sin = rope_cos_sin(inv_freq, position_ids, x.dtype)  # (B, T, D)
+        a = _AttnInputs(cos, sin, key_mask, cu_seqlens, max_seqlen, kv_cache)
+        for layer in self.layers:
+            x = layer(x, a)
+        if kv_cache is not None:
+            kv_cache.advance(t)
+        return self.norm(x)
+
+
+def _positions_from_cu_seqlens(cu_seqlens: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """Position of each flattened token inside its document, reshaped to [B, T]."""
+    idx = torch.arange(b * t, device=cu_seqlens.device)
+    doc = torch.searchsorted(cu_seqlens.to(torch.int64), idx, right=True) - 1
+    return (idx - cu_seqlens.to(torch.int64)[doc.clamp(max=cu_seqlens.numel() - 1)]).view(b, t)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``model`` (LlamaModel) + ``lm_head``; ``forward`` returns logits [B, T, V].
+
+    ``model.model(...)`` gives the final normed hidden states [B, T, H] for losses
+    that apply ``lm_head`` chunk by chunk instead of materialising all logits.
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_parameters()
+        self.tie_weights()
+
+    def reset_parameters(self) -> None:
+        """Initialise as the reference does: N(0, initializer_range) weights, zero biases, unit norms."""
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def tie_weights(self) -> None:
+        """Share ``lm_head.weight`` with ``model.embed_tokens.weight`` when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_gradient_checkpointing(self, every: int | None = 1, part: str = "block") -> None:
+        """Recompute activations in backward (non-reentrant ``torch.utils.checkpoint``).
+
+        ``every=k`` checkpoints blocks 0, k, 2k, ...; ``every=None`` or 0 turns it off.
+        ``part``: ``"block"`` (whole block: least memory), ``"attn"`` (norm + attention
+        only) or ``"mlp"`` (norm + MLP only: the MLP holds most activation memory).
+        """
+        if part not in _PARTS:
+            raise ValueError(f"part must be one of {_PARTS}, got {part!r}")
+        if every is not None and (not isinstance(every, int) or every < 0):
+            raise ValueError(f"every must be a non-negative int or None, got {every!r}")
+        for i, layer in enumerate(self.model.layers):
+            layer.checkpoint_part = part if every and i % every == 0 else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        kv_cache: Any = None,
+    ) -> torch.Tensor:
+        hidden = self.model(
+            input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, kv_cache=kv_cache,
+        )
+        return self.lm_head(hidden)
