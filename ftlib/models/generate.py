@@ -170,10 +170,10 @@ def generate(
         hidden = model.model(step_ids, attention_mask=step_mask, kv_cache=kv_cache)  # (B, T_step, H)
         logits = model.lm_head(hidden[:, -1])  # (B, V): only the last position is needed
         nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
-        out[:, n - 1] = nxt
+        out[:, n - 1] = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
         done |= torch.isin(nxt, stops)
         if bool(done.all()):
             break
-        step_ids, step_mask = nxt[:, None], None
+        # finished rows keep decoding in lockstep, with their new slots masked out of the cache
+        step_ids, step_mask = nxt[:, None], ~done[:, None]
     return out[:, :n]

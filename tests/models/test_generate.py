@@ -1,0 +1,105 @@
+"""KV-cache decoding equals full recomputation; sampling rules; stop tokens; cache checks."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftlib.models import KVCache, generate, sample_next
+
+
+def _greedy_recompute(model, ids, mask, n):
+    # No cache: re-run the whole (left-padded) sequence for every new token.
+    out = []
+    for _ in range(n):
+        nxt = model(ids, attention_mask=mask)[:, -1].argmax(-1)
+        out.append(nxt)
+        ids = torch.cat([ids, nxt[:, None]], 1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_kv_cache_greedy_equals_recompute_left_padded(make_model, model_type):
+    model = make_model(model_type).double()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 128, (3, 6), generator=g)
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    mask[2, :5] = 0
+    ids = ids * mask
+    got = generate(model, ids, attention_mask=mask, max_new_tokens=8)
+    want = _greedy_recompute(model, ids, mask, 8)
+    assert torch.equal(got, want)
+    # each padded row decodes exactly as its prompt alone
+    for row in range(3):
+        alone = generate(model, ids[row:row + 1, mask[row].bool()], max_new_tokens=8)
+        assert torch.equal(alone[0], got[row])
+
+
+def test_cache_logits_match_full_forward(make_model):
+    model = make_model("mistral").double()
+    ids = torch.randint(0, 128, (2, 9))
+    full = model(ids)
+    cache = KVCache.for_model(model, 2, 9)
+    parts = [model(ids[:, :4], kv_cache=cache), model(ids[:, 4:5], kv_cache=cache), model(ids[:, 5:], kv_cache=cache)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
+    assert cache.length == 9 and cache.next_position.tolist() == [9, 9]
+    with pytest.raises(ValueError, match="KVCache is full"):
+        model(ids[:, :1], kv_cache=cache)
+    cache.reset()
+    torch.testing.assert_close(model(ids, kv_cache=cache), full, rtol=1e-10, atol=1e-10)
+
+
+def test_stop_tokens_and_padding(make_model):
+    model = make_model()
+    ids = torch.randint(0, 128, (2, 4))
+    free = generate(model, ids, max_new_tokens=6)
+    stop = int(free[0, 2])
+    got = generate(model, ids, max_new_tokens=6, stop_tokens=[stop], pad_token_id=-1)
+    first = (free[0] == stop).nonzero()[0].item()
+    assert torch.equal(got[0, :first + 1], free[0, :first + 1]) and (got[0, first + 1:] == -1).all()
+    if stop not in free[1].tolist():
+        assert torch.equal(got[1], free[1])
+    # every row stopped -> decoding ends early
+    one = generate(model, ids[:1], max_new_tokens=6, stop_tokens=stop)
+    assert one.shape[1] == first + 1
+
+
+def test_sampling_is_seeded_and_kernels_of_rules(make_model):
+    model = make_model()
+    ids = torch.randint(0, 128, (2, 3))
+    kw = dict(max_new_tokens=5, temperature=0.8, top_k=20, top_p=0.9)
+    a = generate(model, ids, generator=torch.Generator().manual_seed(0), **kw)
+    b = generate(model, ids, generator=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(a, b)
+    greedy = generate(model, ids, max_new_tokens=5)
+    assert torch.equal(generate(model, ids, max_new_tokens=5, temperature=1.0, top_k=1), greedy)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), top_k=st.integers(1, 10), top_p=st.floats(0.05, 1.0))
+def test_sample_next_stays_inside_top_k_and_nucleus(seed, top_k, top_p):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, 16, generator=g) * 3
+    tok = sample_next(logits, temperature=1.0, top_k=top_k, generator=g)
+    rank = (logits > logits.gather(1, tok[:, None])).sum(1)
+    assert (rank < top_k).all()
+    tok = sample_next(logits, temperature=1.0, top_p=top_p, generator=g)
+    probs = logits.softmax(-1)
+    # mass of tokens strictly more likely than the sampled one is below top_p (it is in the nucleus)
+    above = (probs * (probs > probs.gather(1, tok[:, None]))).sum(1)
+    assert (above < top_p + 1e-6).all()
+
+
+def test_generate_rejects_bad_inputs(make_model):
+    model = make_model()
+    ids = torch.randint(0, 128, (2, 4))
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="left-padded"):
+        generate(model, ids, attention_mask=right)
+    small = KVCache.for_model(model, 2, 5)
+    with pytest.raises(ValueError, match="kv_cache must be empty"):
+        generate(model, ids, max_new_tokens=4, kv_cache=small)
+    with pytest.raises(ValueError, match="top_p"):
+        sample_next(torch.zeros(1, 4), temperature=1.0, top_p=1.5)

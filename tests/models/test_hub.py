@@ -1,0 +1,161 @@
+"""Checkpoint I/O: bit-identical round trips (single file and sharded), tied weights, bad files."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ftlib.models import load_config, load_pretrained, parse_size, save_pretrained
+
+
+def _assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_round_trip_single_file(make_model, tmp_path, model_type):
+    model = make_model(model_type)
+    written = save_pretrained(model, tmp_path)
+    assert written == ["model.safetensors", "config.json"]
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == model_type and cfg["dtype"] == "float32"
+    loaded = load_pretrained(tmp_path)
+    _assert_same_weights(model, loaded)
+    assert loaded.config == model.config
+    ids = torch.randint(0, 128, (2, 5))
+    assert torch.equal(loaded(ids), model(ids))
+    if model.config.tie_word_embeddings:
+        assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def test_round_trip_sharded_and_dtype(make_model, tmp_path):
+    model = make_model("llama").to(torch.bfloat16)
+    written = save_pretrained(model, tmp_path, max_shard_size="20KB")
+    shards = [w for w in written if w.startswith("model-")]
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.state_dict())
+    for s in shards:  # no shard above the limit unless it holds a single bigger tensor
+        tensors = load_file(tmp_path / s)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert size <= 20_000 or len(tensors) == 1
+    loaded = load_pretrained(tmp_path)
+    _assert_same_weights(model, loaded)
+    # converting on load: every floating tensor ends in the requested dtype
+    f32 = load_pretrained(tmp_path, dtype="float32")
+    assert all(p.dtype == torch.float32 for p in f32.parameters())
+    assert torch.equal(f32.model.embed_tokens.weight, model.model.embed_tokens.weight.float())
+    # saving again as one file removes the stale shards and index
+    save_pretrained(loaded, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    _assert_same_weights(model, load_pretrained(tmp_path))
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("10kb") == 10_000
+    assert parse_size(123) == 123
+    with pytest.raises(ValueError, match="max_shard_size"):
+        parse_size("lots")
+
+
+def test_old_rotary_buffers_are_ignored(make_model, tmp_path):
+    model = make_model()
+    save_pretrained(model, tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _assert_same_weights(model, load_pretrained(tmp_path))
+
+
+def test_missing_tensor_names_file_and_tensor(make_model, tmp_path):
+    save_pretrained(make_model(), tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.1.mlp.up_proj.weight'\]") as e:
+        load_pretrained(tmp_path)
+    assert str(tmp_path) in str(e.value)
+
+
+def test_wrong_shape_names_file_and_tensor(make_model, tmp_path):
+    save_pretrained(make_model(), tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["model.norm.weight"] = torch.ones(31)
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'model.norm.weight' has shape \(31,\), "
+                                         r"the config expects \(32,\)"):
+        load_pretrained(tmp_path)
+
+
+def test_unexpected_tensor_is_an_error(make_model, tmp_path):
+    save_pretrained(make_model(), tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["model.layers.9.mlp.up_proj.weight"] = torch.ones(2)
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.9.mlp.up_proj.weight'"):
+        load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 4])
+def test_truncated_safetensors_file(make_model, tmp_path, keep):
+    save_pretrained(make_model(), tmp_path, max_shard_size="30KB")
+    shard = sorted(p for p in os.listdir(tmp_path) if p.startswith("model-"))[-1]
+    path = tmp_path / shard
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
+    with pytest.raises(ValueError, match=f"{shard}: corrupt or truncated safetensors file"):
+        load_pretrained(tmp_path)
+
+
+def test_missing_shard_and_missing_files(make_model, tmp_path):
+    shards = [w for w in save_pretrained(make_model(), tmp_path, max_shard_size="30KB") if w.startswith("model-")]
+    os.remove(tmp_path / shards[1])
+    with pytest.raises(FileNotFoundError, match=f"names shard {shards[1]}, which is missing"):
+        load_pretrained(tmp_path)
+    os.remove(tmp_path / "model.safetensors.index.json")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_pretrained(tmp_path)
+    os.remove(tmp_path / "config.json")
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        load_pretrained(tmp_path)
+
+
+def test_unknown_model_type_names_config_file(make_model, tmp_path):
+    save_pretrained(make_model(), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config.json: model_type 'gpt_neox' is not supported"):
+        load_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: invalid JSON"):
+        load_config(tmp_path)
+
+
+def test_hub_repo_id_from_cache(make_model, tmp_path, monkeypatch):
+    # A repo id resolves through huggingface_hub's cache without network: seed the cache layout.
+    cache = tmp_path / "hub"
+    snap = cache / "models--acme--tiny" / "snapshots" / ("0" * 40)
+    save_pretrained(make_model(), snap)
+    (cache / "models--acme--tiny" / "refs").mkdir(parents=True)
+    (cache / "models--acme--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    _assert_same_weights(make_model(), load_pretrained("acme/tiny"))
+    with pytest.raises(FileNotFoundError, match="acme/absent"):
+        load_pretrained("acme/absent")
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_pretrained(str(tmp_path / "nope"))
