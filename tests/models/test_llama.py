@@ -137,9 +137,11 @@ def test_llama3_rope_scaling_matches_closed_form(half_dim, theta, factor, low, g
                    original_max_position_embeddings=old_len)
     got = rope_inv_freq(2 * half_dim, theta, scaling).double()
     want = _llama3_closed_form(2 * half_dim, theta, factor, low, low + gap, old_len)
-    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
-    # invariant: scaling never raises a frequency and never lowers it by more than `factor`
     base = rope_inv_freq(2 * half_dim, theta).double()
+    # compare the per-frequency multipliers got/base in [1/factor, 1]: float32 rounding of the
+    # smoothing weight is ~1e-7 absolute there (relative to the result it grows with `factor`)
+    torch.testing.assert_close(got / base, want / base, rtol=0, atol=1e-6)
+    # invariant: scaling never raises a frequency and never lowers it by more than `factor`
     assert (got <= base * (1 + 1e-6)).all() and (got >= base / factor * (1 - 1e-6)).all()
 
 
