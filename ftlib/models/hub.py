@@ -12,14 +12,15 @@ Safetensors spec: https://huggingface.co/docs/safetensors (8-byte header
 length, JSON header of dtype/shape/offsets, raw little-endian data).
 
 Memory when loading: the model is built on the ``meta`` device (no storage),
-then each tensor is read on its own with ``safe_open`` (the file is
-memory-mapped; a tensor becomes resident when read), converted to the target
-dtype and moved to the target device, and installed as the parameter. Host
-memory therefore peaks near one copy of the weights in the target dtype plus
-one tensor in flight, never a full float32 model and a state dict side by side:
-an 8B bf16 checkpoint loaded to CPU in bf16 peaks at about 16 GB (page cache of
-the mapped shard is shared with the OS and released as files close); loaded to
-a GPU, host memory stays near one tensor. ``benchmarks/bench_load.py`` measures it.
+then each tensor is allocated once with its final shape and read from the file
+into that storage (``_safetensors_io``: no memory map, no intermediate buffer),
+converted to the target dtype and moved to the target device, and installed as
+the parameter. There is never a float32 model beside a state dict: host memory
+peaks at one copy of the weights in the target dtype plus the tensor in flight
+(and its converted copy when the dtype changes). An 8B bf16 checkpoint loaded
+to CPU in bf16 peaks near its 16 GB of weights; loaded to a GPU, host memory
+holds one tensor at a time (the largest, the embedding, is ~1 GB).
+``benchmarks/bench_load.py`` measures it against the naive recipe.
 
 Every file ``save_pretrained`` writes goes to a temporary name in the target
 directory and is renamed into place; the index (when sharded) is written after
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ._safetensors_io import SafetensorsReader
 from .config import ARCHITECTURES, LlamaConfig
 from .llama import LlamaForCausalLM
 from .tokenizer import load_tokenizer, resolve_model_dir
@@ -65,7 +67,7 @@ def _read_config(path: Path) -> LlamaConfig:
 
 
 def _weight_files(root: Path) -> dict[str, list[str]]:
-    """{file path: [tensor names]} from the index, or {model.safetensors: None-marker []} for one file."""
+    """{file path: [tensor names the index assigns to it]}; one file without an index maps to []."""
     index = root / _INDEX
     if index.is_file():
         try:
@@ -106,8 +108,6 @@ def load_pretrained(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | str
     cache; no network when already cached). Raises with the file and tensor name
     on a missing or unexpected tensor, a shape mismatch or a corrupt file.
     """
-    from safetensors import SafetensorError, safe_open
-
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
@@ -121,34 +121,28 @@ def load_pretrained(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | str
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     loaded: dict[str, str] = {}
-    # Read straight onto a GPU when that is the target, so host memory holds no tensor at all.
-    read_device = str(device) if device.type == "cuda" else "cpu"
 
     for fname, listed in _weight_files(root).items():
-        try:
-            with safe_open(fname, framework="pt", device=read_device) as f:
-                names = list(f.keys())
-                missing_listed = sorted(set(listed) - set(names))
-                if missing_listed:
-                    raise ValueError(f"{fname}: index lists tensors the file lacks: {missing_listed[:5]}")
-                for name in names:
-                    if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
-                        continue
-                    if name not in expected:
-                        raise ValueError(f"{fname}: unexpected tensor {name!r} (not part of a {config.model_type} model)")
-                    if name in loaded:
-                        raise ValueError(f"{fname}: tensor {name!r} also stored in {loaded[name]}")
-                    want = tuple(expected[name].shape)
-                    got = tuple(f.get_slice(name).get_shape())
-                    if got != want:
-                        raise ValueError(f"{fname}: tensor {name!r} has shape {got}, the config expects {want}")
-                    t = f.get_tensor(name)  # one tensor resident at a time
-                    if dtype is not None and t.is_floating_point():
-                        t = t.to(dtype)
-                    _set_tensor(model, name, t.to(device))
-                    loaded[name] = fname
-        except SafetensorError as e:
-            raise ValueError(f"{fname}: corrupt or truncated safetensors file: {e}") from None
+        with SafetensorsReader(fname) as f:
+            names = f.keys()
+            missing_listed = sorted(set(listed) - set(names))
+            if missing_listed:
+                raise ValueError(f"{fname}: the index lists tensors this file lacks: {missing_listed[:5]}")
+            for name in names:
+                if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                if name not in expected:
+                    raise ValueError(f"{fname}: unexpected tensor {name!r} (not part of a {config.model_type} model)")
+                if name in loaded:
+                    raise ValueError(f"{fname}: tensor {name!r} also stored in {loaded[name]}")
+                want, got = tuple(expected[name].shape), f.shape(name)
+                if got != want:
+                    raise ValueError(f"{fname}: tensor {name!r} has shape {got}, the config expects {want}")
+                t = f.read(name).to(device)  # one tensor in flight; on a GPU the cast below runs there
+                if dtype is not None and t.is_floating_point():
+                    t = t.to(dtype)
+                _set_tensor(model, name, t)
+                loaded[name] = fname
 
     missing = sorted(set(expected) - set(loaded))
     if missing:
