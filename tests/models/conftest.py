@@ -28,11 +28,20 @@ def tiny_model(model_type: str = "llama", seed: int = 0, **overrides) -> LlamaFo
     return model
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def make_model():
     return tiny_model
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def make_config():
     return tiny_config
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models gain nothing from intra-op threads; on a shared 2-core runner they lose ~20x to contention.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

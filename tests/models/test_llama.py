@@ -204,3 +204,23 @@ def test_bad_forward_inputs(make_model):
         model(ids, attention_mask=torch.ones(2, 4), cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
     with pytest.raises(ValueError, match="input_ids must be"):
         model(ids[0])
+
+
+@settings(max_examples=10, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5), rows=st.integers(1, 2), seed=st.integers(0, 99))
+def test_packing_invariant_property(make_model, lengths, rows, seed):
+    # invariant: logits of a document do not depend on what it is packed with (no cross-document attention)
+    model = make_model("qwen2").double()
+    docs = _doc_batch(lengths, seed=seed)
+    total = sum(lengths)
+    pad = (-total) % rows  # fill the last row with a padding "document" so B*T covers everything
+    flat = torch.cat(docs + [torch.zeros(pad, dtype=torch.long)])
+    bounds = [0]
+    for n in lengths + ([pad] if pad else []):
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    with torch.no_grad():
+        packed = model(flat.view(rows, -1), cu_seqlens=cu).reshape(total + pad, -1)
+        for i, d in enumerate(docs):
+            torch.testing.assert_close(packed[bounds[i]:bounds[i + 1]], model(d[None])[0], rtol=1e-10, atol=1e-10)
+
