@@ -44,6 +44,7 @@ class KVCache:
         self.next_position = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self.batch_size, self.max_len = batch_size, max_len
         self.length = 0  # slots written by completed forwards
+        self._pending: torch.Tensor | None = None  # real tokens per row in the forward under way
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_len: int, *, dtype=None, device=None) -> KVCache:

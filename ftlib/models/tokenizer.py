@@ -31,7 +31,7 @@ from typing import Any
 
 __all__ = ["PretrainedTokenizer", "load_tokenizer", "resolve_model_dir", "render_chat_template"]
 
-_ALLOW = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+_ALLOW = ["*.json", "*.safetensors", "*.jinja"]  # config, weights + index, tokenizer files, chat template
 _SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
