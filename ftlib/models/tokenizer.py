@@ -53,7 +53,9 @@ def resolve_model_dir(path_or_repo_id: str | os.PathLike) -> Path:
     try:
         return Path(snapshot_download(s, allow_patterns=_ALLOW))
     except Exception as e:  # network, auth, missing repo: say which repo and why
-        raise FileNotFoundError(f"{s}: could not download from the hub: {type(e).__name__}: {e}") from e
+        raise FileNotFoundError(
+            f"{s}: no local directory of that name, and the hub download failed: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _read_json(path: Path) -> dict:
