@@ -166,9 +166,15 @@ def parse_size(size: int | str) -> int:
 
 
 def _atomic_write(path: Path, write) -> None:
+    """``write(tmp)``, flush it to disk, then rename over ``path``: readers see the old file or the new one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # without it a crash after the rename can leave an empty file under the final name
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
