@@ -159,3 +159,17 @@ def test_hub_repo_id_from_cache(make_model, tmp_path, monkeypatch):
         load_pretrained("acme/absent")
     with pytest.raises(FileNotFoundError, match="not a directory"):
         load_pretrained(str(tmp_path / "nope"))
+
+
+def test_failed_save_leaves_no_half_file(make_model, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def broken(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save_pretrained(make_model(), tmp_path)
+    assert os.listdir(tmp_path) == []
