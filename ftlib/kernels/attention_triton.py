@@ -78,6 +78,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 __all__ = ["attention_triton"]
 
@@ -672,6 +673,7 @@ class _AttentionFn(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _backward(_unit_last(do), q, k, v, o, lse, ctx.geo)
@@ -726,6 +728,17 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
             f"attention_triton: cu_seqlens must be 1-D int32 [n_docs + 1], got {cu_seqlens.dtype} "
             f"{tuple(cu_seqlens.shape)}"
         )
+    if cu_seqlens.device.type == "cpu":
+        # Checked only where it costs no device sync; on the GPU cu_seqlens is trusted, as in
+        # flash-attn (a host round trip per layer would stall the launch queue).
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(
+                f"attention_triton: cu_seqlens must rise from 0 to N={n}, got {cu[:8]}{'...' if len(cu) > 8 else ''}"
+            )
+        longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+        if max_seqlen is not None and int(max_seqlen) < longest:
+            raise ValueError(f"attention_triton: max_seqlen={max_seqlen} < longest document ({longest} tokens)")
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if max_seqlen is None:
         # One host sync; callers that know the longest document (the packer does) pass it.

@@ -198,6 +198,10 @@ def test_bad_inputs_raise():
         attention_triton(q[0], q[0], q[0], cu_seqlens=torch.tensor([0.0, 4.0]))
     with pytest.raises(ValueError, match="must be"):
         attention_triton(q, q[0], q[0])
+    with pytest.raises(ValueError, match="rise from 0 to N=4"):
+        attention_triton(q[0], q[0], q[0], cu_seqlens=_cu([1, 2]))
+    with pytest.raises(ValueError, match="max_seqlen=2 < longest document"):
+        attention_triton(q[0], q[0], q[0], cu_seqlens=_cu([1, 3]), max_seqlen=2)
 
 
 # ---------------------------------------------------------------------------------------------
