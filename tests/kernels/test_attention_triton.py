@@ -166,6 +166,24 @@ def test_non_contiguous_inputs():
     _assert_close("dense strided out", attention_triton(qd, kd, vd, causal=False), ref, TOL[torch.float32][0])
 
 
+@pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32)])
+def test_unequal_tile_shapes(monkeypatch, block_m, block_n):
+    """GPU configurations use BLOCK_M != BLOCK_N: the diagonal/tail split must hold for them too."""
+    import triton
+
+    import ftlib.kernels.attention_triton as kernels
+
+    if not kernels._INTERPRET:
+        pytest.skip("natively the autotuner picks the tiles")
+    for kernel in (kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel):
+        monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n})])
+    q, k, v, do = _inputs((2, 19, 4, 16), (2, 45, 2, 16), torch.float32, seed=8)
+    _check_against_reference(q, k, v, do, causal=True)
+    n = sum(PACK)
+    q, k, v, do = _inputs((n, 2, 16), (n, 1, 16), torch.float32, seed=9)
+    _check_against_reference(q, k, v, do, causal=True, cu_seqlens=_cu(PACK))
+
+
 @settings(max_examples=6, deadline=None)
 @given(
     lens=st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=4).filter(lambda x: sum(x) > 0),
