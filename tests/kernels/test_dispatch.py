@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from ftlib.kernels import attention, attention_backend, attention_ref
-from ftlib.kernels.attention_triton import attention_triton
 from ftlib.kernels.dispatch import _choose
 
 HAVE_FLASH = importlib.util.find_spec("flash_attn") is not None
@@ -83,6 +82,9 @@ def test_auto_on_cpu_is_the_reference(monkeypatch):
 
 
 def test_forced_triton_runs_the_kernel_on_cpu_under_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    from ftlib.kernels.attention_triton import attention_triton
+
     monkeypatch.setenv("FTLIB_ATTN_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(0)
