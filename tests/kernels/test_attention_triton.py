@@ -188,8 +188,17 @@ def test_non_contiguous_inputs():
     _assert_close("dense strided out", attention_triton(qd, kd, vd, causal=False), ref, TOL[torch.float32][0])
 
 
-@pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32)])
-def test_unequal_tile_shapes(monkeypatch, block_m, block_n):
+@pytest.mark.parametrize(
+    "tiles,lens,dense_t",
+    [
+        # (fwd, dK/dV, dQ) (BLOCK_M, BLOCK_N): small unequal tiles, then the GPU defaults on
+        # documents longer than one 128-row tile.
+        (((32, 16), (16, 32), (32, 16)), PACK, (19, 45)),
+        (((128, 64), (32, 128), (128, 32)), [1, 150, 0, 70, 260], (300, 170)),
+    ],
+    ids=["small", "gpu-default"],
+)
+def test_unequal_tile_shapes(monkeypatch, tiles, lens, dense_t):
     """GPU configurations use BLOCK_M != BLOCK_N: the diagonal/tail split must hold for them too."""
     import triton
 
@@ -197,13 +206,14 @@ def test_unequal_tile_shapes(monkeypatch, block_m, block_n):
 
     if not kernels._INTERPRET:
         pytest.skip("natively the autotuner picks the tiles")
-    for kernel in (kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel):
-        monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n})])
-    q, k, v, do = _inputs((2, 19, 4, 16), (2, 45, 2, 16), torch.float32, seed=8)
+    for kernel, (bm, bn) in zip((kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel), tiles):
+        monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn})])
+    tq, tk = dense_t
+    q, k, v, do = _inputs((1, tq, 4, 16), (1, tk, 2, 16), torch.float32, seed=8)
     _check_against_reference(q, k, v, do, causal=True)
-    n = sum(PACK)
+    n = sum(lens)
     q, k, v, do = _inputs((n, 2, 16), (n, 1, 16), torch.float32, seed=9)
-    _check_against_reference(q, k, v, do, causal=True, cu_seqlens=_cu(PACK))
+    _check_against_reference(q, k, v, do, causal=True, cu_seqlens=_cu(lens))
 
 
 @settings(max_examples=6, deadline=None)
