@@ -36,8 +36,10 @@ Scheme (Dao, "FlashAttention-2", arXiv:2307.08691; Triton tutorial 06):
   loop over key tiles like the forward. A separate dQ pass recomputes QK^T and
   dO V^T (7 tile matmuls in the backward instead of 5), but every gradient
   element is written once by one program: the backward is deterministic
-  (bitwise reproducible run to run), which atomic fp32 adds into dQ are not,
-  and GQA would make those atomics contend G times more.
+  (bitwise reproducible for a given tile configuration; the autotuner may pick
+  another one in another process unless FTLIB_ATTN_AUTOTUNE=0), which atomic
+  fp32 adds into dQ are not, and GQA would make those atomics contend G times
+  more.
 
 Layouts: varlen q [N, Hq, D], k/v [N, Hkv, D] with ``cu_seqlens`` int32
 [n_docs + 1]; the grid spans ceil(max_seqlen / BLOCK) tiles per document and
