@@ -136,15 +136,14 @@ def _fwd_kernel(
     Q, K, V, O, LSE, CU_SEQLENS, qk_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, n_heads, group,
+    seqlen_q, seqlen_k, group,
     IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Late causal tiles do the most work: launch them first to shorten the tail.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
+    b = tl.program_id(1)  # document (varlen) or batch row (dense)
+    h = tl.program_id(2)
     hk = h // group
     b64 = b.to(tl.int64)
     q_ptr = Q + b64 * stride_qb + h * stride_qh
@@ -208,13 +207,12 @@ def _fwd_kernel(
 def _bwd_preprocess(
     O, DO, DELTA, CU_SEQLENS,
     stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
-    seqlen_q, n_heads,
+    seqlen_q,
     IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
+    b = tl.program_id(1)  # document (varlen) or batch row (dense)
+    h = tl.program_id(2)
     b64 = b.to(tl.int64)
     o_ptr = O + b64 * stride_ob + h * stride_oh
     do_ptr = DO + b64 * stride_dob + h * stride_doh
@@ -274,14 +272,13 @@ def _bwd_dkdv_kernel(
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, n_kv_heads, group,
+    seqlen_q, seqlen_k, group,
     IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_kv_heads
-    hk = pid_bh % n_kv_heads
+    b = tl.program_id(1)
+    hk = tl.program_id(2)
     b64 = b.to(tl.int64)
     k_ptr = K + b64 * stride_kb + hk * stride_kh
     v_ptr = V + b64 * stride_vb + hk * stride_vh
@@ -380,14 +377,13 @@ def _bwd_dq_kernel(
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, n_heads, group,
+    seqlen_q, seqlen_k, group,
     IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
+    b = tl.program_id(1)  # document (varlen) or batch row (dense)
+    h = tl.program_id(2)
     hk = h // group
     b64 = b.to(tl.int64)
     q_ptr = Q + b64 * stride_qb + h * stride_qh

@@ -30,6 +30,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+_MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y (documents / batch rows) and z (heads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,13 +192,15 @@ def _forward(q, k, v, geo: _Geometry):
     lse = torch.full(geo.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     if geo.empty:
         return o.zero_(), lse
-    grid = lambda meta: (triton.cdiv(geo.seqlen_q, meta["BLOCK_M"]), geo.batch * geo.hq)
+    # (query tiles, documents, heads): tiles of one head run side by side and share K/V in L2;
+    # documents and heads on their own axes keep each under CUDA's 65535 limit for y and z.
+    grid = lambda meta: (triton.cdiv(geo.seqlen_q, meta["BLOCK_M"]), geo.batch, geo.hq)
     with _device_guard(q):
         _fwd_kernel[grid](
             q, k, v, o, lse, geo.cu, geo.scale * _LOG2E,
             *_bth(q, geo.varlen), *_bth(k, geo.varlen), *_bth(v, geo.varlen), *_bth(o, geo.varlen),
             *geo.lse_strides(lse),
-            geo.seqlen_q, geo.seqlen_k, geo.hq, geo.hq // geo.hkv,
+            geo.seqlen_q, geo.seqlen_k, geo.hq // geo.hkv,
             **geo.meta(),
         )
     return o, lse
@@ -213,26 +216,26 @@ def _backward(do, q, k, v, o, lse, geo: _Geometry):
     vl, meta = geo.varlen, geo.meta()
     group = geo.hq // geo.hkv
     with _device_guard(q):
-        pre_grid = (triton.cdiv(geo.seqlen_q, _PRE_BLOCK_M), geo.batch * geo.hq)
+        pre_grid = (triton.cdiv(geo.seqlen_q, _PRE_BLOCK_M), geo.batch, geo.hq)
         _bwd_preprocess[pre_grid](
             o, do, delta, geo.cu, *_bth(o, vl), *_bth(do, vl), *geo.lse_strides(delta),
-            geo.seqlen_q, geo.hq,
+            geo.seqlen_q,
             IS_VARLEN=vl, HEAD_DIM=geo.d, BLOCK_D=geo.block_d, BLOCK_M=_PRE_BLOCK_M,
         )
-        kv_grid = lambda m: (triton.cdiv(geo.seqlen_k, m["BLOCK_N"]), geo.batch * geo.hkv)
+        kv_grid = lambda m: (triton.cdiv(geo.seqlen_k, m["BLOCK_N"]), geo.batch, geo.hkv)
         _bwd_dkdv_kernel[kv_grid](
             q, k, v, do, dk, dv, lse, delta, geo.cu, geo.scale * _LOG2E, geo.scale,
             *_bth(q, vl), *_bth(k, vl), *_bth(v, vl), *_bth(do, vl), *_bth(dk, vl), *_bth(dv, vl),
             *geo.lse_strides(lse),
-            geo.seqlen_q, geo.seqlen_k, geo.hkv, group,
+            geo.seqlen_q, geo.seqlen_k, group,
             **meta,
         )
-        q_grid = lambda m: (triton.cdiv(geo.seqlen_q, m["BLOCK_M"]), geo.batch * geo.hq)
+        q_grid = lambda m: (triton.cdiv(geo.seqlen_q, m["BLOCK_M"]), geo.batch, geo.hq)
         _bwd_dq_kernel[q_grid](
             q, k, v, do, dq, lse, delta, geo.cu, geo.scale * _LOG2E, geo.scale,
             *_bth(q, vl), *_bth(k, vl), *_bth(v, vl), *_bth(do, vl), *_bth(dq, vl),
             *geo.lse_strides(lse),
-            geo.seqlen_q, geo.seqlen_k, geo.hq, group,
+            geo.seqlen_q, geo.seqlen_k, group,
             **meta,
         )
     return dq, dk, dv
@@ -350,5 +353,8 @@ def attention_triton(
     cu_seqlens, max_seqlen = _validate(q, k, v, cu_seqlens, max_seqlen)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     geo = _Geometry(q, k, cu_seqlens, max_seqlen, bool(causal), scale)
+    if geo.batch > _MAX_GRID_YZ:
+        what = "documents in cu_seqlens" if geo.varlen else "batch rows"
+        raise ValueError(f"attention_triton: {geo.batch} {what} > {_MAX_GRID_YZ} (CUDA grid limit); split the batch")
     o, lse = _AttentionFn.apply(q, k, v, geo)
     return (o, lse) if return_lse else o
