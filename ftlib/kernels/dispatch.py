@@ -1,13 +1,27 @@
 """Backend choice for the attention op.
 
-``auto`` (default) picks flash-attn on CUDA when installed and the case is
-supported, the Triton kernel on CUDA otherwise, and the PyTorch reference
-elsewhere. ``FTLIB_ATTN_BACKEND=flash|triton|torch`` forces one; forcing a
-backend that is unavailable raises instead of silently falling back.
+``auto`` (default) picks, per call:
+
+1. flash-attn (``flash_attn_func`` / ``flash_attn_varlen_func``) when it is installed, q is on
+   CUDA, the dtype is float16/bfloat16 and the head dim is <= 256;
+2. the Triton kernel (``attention_triton``) on CUDA otherwise (float16/bfloat16/float32, head
+   dim <= 256);
+3. the PyTorch reference (``attention_ref``) elsewhere: CPU, float64, larger head dims.
+
+``FTLIB_ATTN_BACKEND=flash|triton|torch`` forces one; forcing a backend that is not installed,
+cannot run on q's device, or does not support the call's dtype / head dim raises instead of
+silently falling back. The Triton backend runs on CPU tensors only under ``TRITON_INTERPRET=1``
+(the test setup).
+
+Calls with a ``key_padding_mask`` (padded batches, KV-cache decoding) always go to the
+reference: neither kernel takes a dense padding mask, and packed batches use ``cu_seqlens``
+instead. A forced backend must still be available, so a misconfiguration is caught early.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
 
 import torch
@@ -17,21 +31,105 @@ from .attention_ref import attention_ref
 __all__ = ["attention", "attention_backend"]
 
 _BACKENDS = ("auto", "flash", "triton", "torch")
+_MAX_HEAD_DIM = 256
+_HALF = (torch.float16, torch.bfloat16)
 
 
-def attention_backend(q: torch.Tensor) -> str:
-    """Name of the backend ``attention`` would use for this query tensor."""
-    want = os.environ.get("FTLIB_ATTN_BACKEND", "auto").lower()
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _unsupported(backend: str, is_cuda: bool, dtype: torch.dtype, head_dim: int, interpret: bool) -> str | None:
+    """Why ``backend`` cannot run this call, or None when it can."""
+    if backend == "flash":
+        if not is_cuda:
+            return "flash-attn needs CUDA tensors"
+        if dtype not in _HALF:
+            return f"flash-attn supports float16/bfloat16, got {dtype}"
+    elif backend == "triton":
+        if not (is_cuda or interpret):
+            return "the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU testing)"
+        if dtype not in _HALF + (torch.float32,):
+            return f"the Triton kernel supports float16/bfloat16/float32, got {dtype}"
+    if head_dim > _MAX_HEAD_DIM:
+        return f"head dim {head_dim} > {_MAX_HEAD_DIM}"
+    return None
+
+
+def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, head_dim: int, masked: bool,
+            have_flash: bool, have_triton: bool, interpret: bool) -> str:
+    """The backend for one call; pure, so the whole decision table is testable without a GPU."""
     if want not in _BACKENDS:
         raise ValueError(f"FTLIB_ATTN_BACKEND={want!r}: expected one of {_BACKENDS}")
-    if want in ("auto", "torch"):
+    if want == "flash" and not have_flash:
+        raise RuntimeError("FTLIB_ATTN_BACKEND=flash but flash_attn is not installed (pip install flash-attn)")
+    if want == "triton" and not have_triton:
+        raise RuntimeError("FTLIB_ATTN_BACKEND=triton but triton is not installed (pip install triton)")
+    if want in ("flash", "triton") and not (is_cuda or (want == "triton" and interpret)):
+        raise RuntimeError(f"FTLIB_ATTN_BACKEND={want}: {_unsupported(want, is_cuda, dtype, head_dim, interpret)}")
+    if masked or want == "torch":
         return "torch"
-    raise RuntimeError(f"FTLIB_ATTN_BACKEND={want!r} is not available in this build")
+    if want != "auto":
+        why = _unsupported(want, is_cuda, dtype, head_dim, interpret)
+        if why is not None:
+            raise RuntimeError(f"FTLIB_ATTN_BACKEND={want} cannot run this call: {why}")
+        return want
+    if not is_cuda:
+        return "torch"
+    if have_flash and _unsupported("flash", is_cuda, dtype, head_dim, interpret) is None:
+        return "flash"
+    if have_triton and _unsupported("triton", is_cuda, dtype, head_dim, interpret) is None:
+        return "triton"
+    return "torch"
+
+
+def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> str:
+    """Name of the backend (``flash``, ``triton`` or ``torch``) ``attention`` uses for this call."""
+    return _choose(
+        os.environ.get("FTLIB_ATTN_BACKEND", "auto").strip().lower(),
+        is_cuda=q.is_cuda, dtype=q.dtype, head_dim=q.shape[-1], masked=key_padding_mask is not None,
+        have_flash=_installed("flash_attn"), have_triton=_installed("triton"), interpret=_interpret(),
+    )
+
+
+def _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale):
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if q.dim() == 4:  # (B, T, H, D): flash-attn's own layout; causal is bottom-right aligned too
+        if cu_seqlens is not None:
+            raise ValueError("attention: cu_seqlens is for the varlen layout [N, H, D]; q is dense [B, T, H, D]")
+        return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal)
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, int(max_seqlen), int(max_seqlen),
+        dropout_p=0.0, softmax_scale=scale, causal=causal,
+    )
 
 
 def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax_scale=None, key_padding_mask=None):
-    """Attention over dense [B, T, H, D] or packed varlen [N, H, D] inputs (GQA allowed)."""
-    attention_backend(q)
+    """Attention over dense [B, T, H, D] or packed varlen [N, H, D] inputs (GQA allowed).
+
+    Same semantics on every backend: see ``attention_ref`` for layouts, bottom-right causal
+    alignment and fully masked rows; ``attention_backend`` for which backend runs.
+    """
+    backend = attention_backend(q, key_padding_mask)
+    if backend == "flash":
+        return _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale)
+    if backend == "triton":
+        from .attention_triton import attention_triton
+
+        return attention_triton(
+            q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
+        )
     return attention_ref(
         q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
         softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,

@@ -1,0 +1,360 @@
+"""Fused attention on GPU: launchers, autotuning and autograd around the Triton kernels.
+
+``attention_triton(q, k, v, *, causal, cu_seqlens, max_seqlen, softmax_scale, return_lse)`` has
+the semantics of ``attention_ref`` (dense [B, T, H, D] with bottom-right causal alignment, or
+packed varlen [N, H, D] with ``cu_seqlens``; GQA with Hq a multiple of Hkv; rows that see no key
+give zeros and lse = -inf) without a key_padding_mask. It is differentiable in q, k and v.
+
+The math, the tiling scheme (FlashAttention-2, Dao 2023, arXiv:2307.08691), the masking rules
+and the expected-performance reasoning (bytes and FLOPs per tile, occupancy) are in
+``_attention_kernels.py`` beside the kernels. This file chooses tile configurations per GPU,
+launches forward (O, lse) and backward (D = rowsum(dO * O), then dK/dV, then dQ: deterministic,
+no atomics), and validates inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+import triton
+from torch.autograd.function import once_differentiable
+
+from . import _attention_kernels as _k
+
+__all__ = ["attention_triton"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_LOG2E = 1.4426950408889634
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+_MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y (documents / batch rows) and z (heads)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autotune configurations.
+#
+# Forward / dQ (a query tile owns an fp32 accumulator BLOCK_M x D):
+#   * BLOCK_M=128, BLOCK_N=64, 8 warps, 3 stages: the Hopper and Ampere choice for D <= 128. 128
+#     query rows give 128 FLOP/B on K/V traffic (see _attention_kernels.py); 8 warps make two
+#     64-row warpgroups for wgmma on Hopper; 3 stages overlap the next K/V load with the softmax.
+#   * BLOCK_M=128, BLOCK_N=32, 4 warps, 2 stages: A100 / consumer Ampere (sm_86: 100 KiB shared
+#     memory) with D = 128, where 3 stages of 64-key tiles do not fit.
+#   * BLOCK_M=64, BLOCK_N=64, 4 warps, 4 stages: short documents (packed batches), where a tall
+#     query tile would be mostly past the document end, and D = 64 on Ampere.
+#   * BLOCK_M=128, BLOCK_N=128, 8 warps, 2 stages: Hopper, D = 64: halves the loop trip count.
+#   * BLOCK_M=64, BLOCK_N=32, 4 warps, 2 stages: D = 256 (the accumulator alone is 64 KiB).
+# dK/dV (a key tile owns two fp32 accumulators BLOCK_N x D, and loops over query tiles):
+#   * BLOCK_M=32/64 (query rows streamed), BLOCK_N=128/64 (keys owned): the FA2 Triton choice,
+#     long key tiles amortise the dK/dV registers, short query tiles keep the 4 live tiles small.
+#   * BLOCK_M=32, BLOCK_N=64, 8 warps: D = 256, where dK + dV are 2 x 64 x 256 fp32.
+# Configurations whose shared memory (estimated below) exceeds the device's, or whose fp32
+# accumulators exceed 128 values per thread (spills), are pruned before timing, so one list
+# serves sm_80, sm_86, sm_89 and sm_90, and every head dim up to 256 keeps at least one entry.
+# ----------------------------------------------------------------------------------------------
+
+def _cfg(bm, bn, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+if _INTERPRET:
+    # The interpreter runs each program in NumPy: autotuning would only multiply the run time,
+    # and 16 x 16 tiles exercise the multi-tile paths on the small shapes the tests use.
+    _FWD_CONFIGS = [_cfg(16, 16, 4, 1)]
+    _DKDV_CONFIGS = [_cfg(16, 16, 4, 1)]
+    _DQ_CONFIGS = [_cfg(16, 16, 4, 1)]
+else:
+    _FWD_CONFIGS = [
+        _cfg(128, 64, 8, 3), _cfg(128, 32, 4, 2), _cfg(64, 64, 4, 4),
+        _cfg(128, 128, 8, 2), _cfg(64, 32, 4, 2),
+    ]
+    _DKDV_CONFIGS = [
+        _cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 2), _cfg(32, 64, 8, 2),
+    ]
+    _DQ_CONFIGS = [_cfg(128, 32, 8, 2), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)]
+
+
+# FTLIB_ATTN_AUTOTUNE=0 skips timing: the first configuration of each list that fits is used.
+# Correctness runs (the gpu-marked tests) set it to save compile time; results do not change
+# beyond rounding order.
+_AUTOTUNE = os.environ.get("FTLIB_ATTN_AUTOTUNE", "1") != "0"
+_MAX_ACC_PER_THREAD = 128  # fp32 accumulator values per thread before registers spill (255 max)
+
+
+def _smem_budget() -> int:
+    props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
+    return int(props["max_shared_mem"])
+
+
+def _prune(kind):
+    """Keep configurations whose tiles fit the device's shared memory and the register file."""
+
+    def prune(configs, named_args, **kwargs):
+        d = kwargs["BLOCK_D"]
+        esize = 4 if kwargs["PRECISION"] == "ieee" else 2
+        budget = _smem_budget()
+        kept = []
+        for c in configs:
+            bm, bn, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)
+            threads = 32 * c.num_warps
+            if kind == "dkdv":  # K, V resident, Q and dO streamed per stage; dK, dV accumulators
+                smem = 2 * bn * d * esize + st * 2 * bm * d * esize
+                acc = 2 * bn * d // threads
+            else:  # Q (and dO) resident, K and V streamed per stage; one BM x D accumulator
+                smem = 2 * bm * d * esize + st * 2 * bn * d * esize
+                acc = bm * d // threads
+            if smem <= budget and acc <= _MAX_ACC_PER_THREAD:
+                kept.append(c)
+        if not kept:
+            kept = [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+        return kept if _AUTOTUNE else kept[:1]
+
+    return prune
+
+
+def _autotune(configs, kind):
+    if _INTERPRET:
+        return triton.autotune(configs=configs, key=[])
+    return triton.autotune(
+        configs=configs,
+        key=["BLOCK_D", "CAUSAL", "IS_VARLEN"],
+        prune_configs_by={"early_config_prune": _prune(kind)},
+    )
+
+
+# The autotuned kernels (names kept from the kernel module so tests can swap their configs).
+_fwd_kernel = _autotune(_FWD_CONFIGS, "fwd")(_k._fwd_kernel)
+_bwd_dkdv_kernel = _autotune(_DKDV_CONFIGS, "dkdv")(_k._bwd_dkdv_kernel)
+_bwd_dq_kernel = _autotune(_DQ_CONFIGS, "dq")(_k._bwd_dq_kernel)
+_bwd_preprocess = _k._bwd_preprocess
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+_PRE_BLOCK_M = 16 if _INTERPRET else 64
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    # The kernels index the head dim with unit stride; every other stride is passed explicitly.
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _bth(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    # (batch, token, head) strides; a varlen tensor [N, H, D] is one "batch row" per document
+    # whose start comes from cu_seqlens, so its batch stride is 0.
+    return (0, x.stride(0), x.stride(1)) if varlen else (x.stride(0), x.stride(1), x.stride(2))
+
+
+class _Geometry:
+    """Grid-level facts shared by the forward and backward launches."""
+
+    def __init__(self, q, k, cu_seqlens, max_seqlen, causal, scale):
+        self.varlen = q.dim() == 3
+        self.causal = causal
+        self.scale = scale
+        self.hq, self.hkv, self.d = q.shape[-2], k.shape[-2], q.shape[-1]
+        self.block_d = max(16, triton.next_power_of_2(self.d))
+        self.precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact fp32
+        if self.varlen:
+            self.cu = cu_seqlens
+            self.batch = cu_seqlens.numel() - 1
+            self.seqlen_q = self.seqlen_k = max_seqlen
+            self.lse_shape = (self.hq, q.shape[0])
+        else:
+            self.cu = torch.zeros(1, dtype=torch.int32, device=q.device)  # unused placeholder
+            self.batch = q.shape[0]
+            self.seqlen_q, self.seqlen_k = q.shape[1], k.shape[1]
+            self.lse_shape = (self.batch, self.hq, self.seqlen_q)
+
+    def lse_strides(self, lse):
+        return (0, lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
+
+    def meta(self):
+        return dict(IS_VARLEN=self.varlen, CAUSAL=self.causal, PRECISION=self.precision,
+                    HEAD_DIM=self.d, BLOCK_D=self.block_d)
+
+    @property
+    def empty(self):
+        return self.batch == 0 or self.seqlen_q == 0 or self.seqlen_k == 0
+
+
+def _device_guard(x: torch.Tensor):
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _forward(q, k, v, geo: _Geometry):
+    # q (B, Tq, Hq, D) or (N, Hq, D); k, v (B, Tk, Hkv, D) or (N, Hkv, D)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full(geo.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    if geo.empty:
+        return o.zero_(), lse
+    # (query tiles, documents, heads): tiles of one head run side by side and share K/V in L2;
+    # documents and heads on their own axes keep each under CUDA's 65535 limit for y and z.
+    grid = lambda meta: (triton.cdiv(geo.seqlen_q, meta["BLOCK_M"]), geo.batch, geo.hq)
+    with _device_guard(q):
+        _fwd_kernel[grid](
+            q, k, v, o, lse, geo.cu, geo.scale * _LOG2E,
+            *_bth(q, geo.varlen), *_bth(k, geo.varlen), *_bth(v, geo.varlen), *_bth(o, geo.varlen),
+            *geo.lse_strides(lse),
+            geo.seqlen_q, geo.seqlen_k, geo.hq // geo.hkv,
+            **geo.meta(),
+        )
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, geo: _Geometry):
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if geo.empty:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = torch.empty_like(lse)  # (Hq, N) or (B, Hq, Tq), fp32
+    vl, meta = geo.varlen, geo.meta()
+    group = geo.hq // geo.hkv
+    with _device_guard(q):
+        pre_grid = (triton.cdiv(geo.seqlen_q, _PRE_BLOCK_M), geo.batch, geo.hq)
+        _bwd_preprocess[pre_grid](
+            o, do, delta, geo.cu, *_bth(o, vl), *_bth(do, vl), *geo.lse_strides(delta),
+            geo.seqlen_q,
+            IS_VARLEN=vl, HEAD_DIM=geo.d, BLOCK_D=geo.block_d, BLOCK_M=_PRE_BLOCK_M,
+        )
+        kv_grid = lambda m: (triton.cdiv(geo.seqlen_k, m["BLOCK_N"]), geo.batch, geo.hkv)
+        _bwd_dkdv_kernel[kv_grid](
+            q, k, v, do, dk, dv, lse, delta, geo.cu, geo.scale * _LOG2E, geo.scale,
+            *_bth(q, vl), *_bth(k, vl), *_bth(v, vl), *_bth(do, vl), *_bth(dk, vl), *_bth(dv, vl),
+            *geo.lse_strides(lse),
+            geo.seqlen_q, geo.seqlen_k, group,
+            **meta,
+        )
+        q_grid = lambda m: (triton.cdiv(geo.seqlen_q, m["BLOCK_M"]), geo.batch, geo.hq)
+        _bwd_dq_kernel[q_grid](
+            q, k, v, do, dq, lse, delta, geo.cu, geo.scale * _LOG2E, geo.scale,
+            *_bth(q, vl), *_bth(k, vl), *_bth(v, vl), *_bth(do, vl), *_bth(dq, vl),
+            *geo.lse_strides(lse),
+            geo.seqlen_q, geo.seqlen_k, group,
+            **meta,
+        )
+    return dq, dk, dv
+
+
+class _AttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, geo):
+        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+        o, lse = _forward(q, k, v, geo)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.geo = geo
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(_unit_last(do), q, k, v, o, lse, ctx.geo)
+        return dq, dk, dv, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------
+
+def _validate(q, k, v, cu_seqlens, max_seqlen):
+    dense = q.dim() == 4
+    if q.dim() not in (3, 4):
+        raise ValueError(f"attention_triton: q must be [B, T, H, D] or [N, H, D], got {tuple(q.shape)}")
+    layout = "[B, T, H, D]" if dense else "[N, H, D]"
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != q.dim():
+            raise ValueError(f"attention_triton: {name} must be {layout} like q, got {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"attention_triton: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"attention_triton: head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
+    if q.shape[0] != k.shape[0]:
+        what = "batch sizes" if dense else "token counts N"
+        raise ValueError(f"attention_triton: {what} differ: q {q.shape[0]}, k {k.shape[0]}")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"attention_triton: Hq={hq} must be a positive multiple of Hkv={hkv}")
+    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"attention_triton: q, k, v must share one dtype among float16, bfloat16, float32; got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"attention_triton: head dim {q.shape[-1]} > {MAX_HEAD_DIM} is not supported")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attention_triton: q, k, v on different devices: {q.device}, {k.device}, {v.device}")
+    if not q.is_cuda and not _INTERPRET:
+        raise RuntimeError(
+            "attention_triton: needs CUDA tensors (set TRITON_INTERPRET=1 before importing ftlib to run "
+            "the kernels on CPU for testing)"
+        )
+    if dense:
+        if cu_seqlens is not None:
+            raise ValueError("attention_triton: cu_seqlens is for the varlen layout [N, H, D]; q is dense")
+        return None, None
+    n = q.shape[0]
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"attention_triton: cu_seqlens must be 1-D int32 [n_docs + 1], got {cu_seqlens.dtype} "
+            f"{tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.device.type == "cpu":
+        # Checked only where it costs no device sync; on the GPU cu_seqlens is trusted, as in
+        # flash-attn (a host round trip per layer would stall the launch queue).
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(
+                f"attention_triton: cu_seqlens must rise from 0 to N={n}, got {cu[:8]}{'...' if len(cu) > 8 else ''}"
+            )
+        longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+        if max_seqlen is not None and int(max_seqlen) < longest:
+            raise ValueError(f"attention_triton: max_seqlen={max_seqlen} < longest document ({longest} tokens)")
+    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    if max_seqlen is None:
+        # One host sync; callers that know the longest document (the packer does) pass it.
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    max_seqlen = int(max_seqlen)
+    if max_seqlen < 0:
+        raise ValueError(f"attention_triton: max_seqlen must be >= 0, got {max_seqlen}")
+    return cu_seqlens, max_seqlen
+
+
+def attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+):
+    """Fused attention with the semantics of ``attention_ref`` (no key_padding_mask).
+
+    q [B, Tq, Hq, D] with k, v [B, Tk, Hkv, D] (dense; causal is bottom-right aligned when
+    Tq != Tk), or q [N, Hq, D] with k, v [N, Hkv, D] and ``cu_seqlens`` int32 [n_docs + 1]
+    (varlen; no token attends outside its document). ``max_seqlen`` must be at least the longest
+    document (the flash-attn convention: it sizes the grid and is trusted); when None it is
+    computed from ``cu_seqlens`` with one host sync. Differentiable in q, k, v.
+
+    Returns ``o`` like q or, with ``return_lse``, ``(o, lse)`` with lse float32 [B, Hq, Tq]
+    (dense) or [Hq, N] (varlen), -inf on rows that see no key.
+    """
+    cu_seqlens, max_seqlen = _validate(q, k, v, cu_seqlens, max_seqlen)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    geo = _Geometry(q, k, cu_seqlens, max_seqlen, bool(causal), scale)
+    if geo.batch > _MAX_GRID_YZ:
+        what = "documents in cu_seqlens" if geo.varlen else "batch rows"
+        raise ValueError(f"attention_triton: {geo.batch} {what} > {_MAX_GRID_YZ} (CUDA grid limit); split the batch")
+    o, lse = _AttentionFn.apply(q, k, v, geo)
+    return (o, lse) if return_lse else o
