@@ -1,13 +1,11 @@
 """Gradient clippers: equality with clip_grad_norm_, bounds, direction, AGC, z-score, FSDP2."""
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _torchrun import run_torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -243,10 +241,4 @@ def test_fsdp2_dtensor_clipping_matches_single_process(tmp_path):
     """Invariant: under FSDP2 (2 ranks, gloo) every clipper computes the full-model norm over all
     shards and every rank scales by the same factor: gathered clipped grads equal the
     single-process result."""
-    worker = Path(__file__).with_name("_dist_clip_worker.py")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           str(worker), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (tmp_path / "ok").read_text() == "ok"
+    run_torchrun(Path(__file__).with_name("_dist_clip_worker.py"), tmp_path)

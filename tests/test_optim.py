@@ -1,13 +1,11 @@
 """Optimizer wrapper: accumulation invariance, fp16 loss scaling, NaN trace, groups, state."""
 
 import copy
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _torchrun import run_torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -364,13 +362,7 @@ def test_8bit_adamw_steps():
 
 
 @pytest.mark.distributed
-def test_ddp_accumulation_over_ranks_matches_single_process(tmp_path):
-    """Invariant: 2 DDP ranks with different micro-batch counts and token counts, no_sync on
+def test_ddp_and_fsdp2_accumulation_over_ranks_matches_single_process(tmp_path):
+    """Invariant: 2 DDP or FSDP2 ranks with different micro-batch counts and token counts, no sync on
     non-final micro-batches, give the gradients of one process holding every sequence."""
-    worker = Path(__file__).with_name("_dist_optim_worker.py")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
-           str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (tmp_path / "ok").read_text() == "ok"
+    run_torchrun(Path(__file__).with_name("_dist_optim_worker.py"), tmp_path)
