@@ -157,41 +157,63 @@ def _all_reduce_mesh(x: torch.Tensor, mesh, mesh_dims, op) -> None:
         dist.all_reduce(x, op=op, group=mesh.get_group(d))
 
 
-def _group_norms(grads: list[torch.Tensor], groups: list[int], n_groups: int, norm_type: float) -> torch.Tensor:
-    """p-norm of each group of (possibly sharded) tensors, float32, shape [n_groups].
+def _local_contributions(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Each tensor's local share of the global norm, float32 [n]: ||local||^p / replicas (max-abs for p = inf).
 
-    One ``_foreach_norm`` per (device, dtype) bucket, one ``all_reduce`` per mesh dim.
+    One ``_foreach_norm`` per (device, dtype) bucket.
     """
-    if not grads:
-        return torch.zeros(n_groups)
     inf = math.isinf(norm_type)
+    out_device = _local(grads[0]).device
+    out = torch.empty(len(grads), device=out_device)
     buckets: dict = defaultdict(list)
     for i, g in enumerate(grads):
-        info = _placement_info(g)
-        mesh = None if info is None else info[0]
-        replicas = 1 if info is None else info[1]
         loc = _local(g)
-        buckets[(loc.device, loc.dtype, mesh, replicas)].append((i, loc))
-    out_device = _local(grads[0]).device
-    partial: dict = {}  # mesh (or None) -> [n_groups] accumulator
-    for (device, _dtype, mesh, replicas), items in buckets.items():
+        buckets[(loc.device, loc.dtype)].append((i, loc))
+    for items in buckets.values():
         norms = torch.stack(torch._foreach_norm([t for _, t in items], norm_type, dtype=torch.float32))
-        idx = torch.tensor([groups[i] for i, _ in items], device=device)
-        if mesh not in partial:
-            partial[mesh] = torch.zeros(n_groups, device=out_device)
-        acc = partial[mesh]
+        out[torch.tensor([i for i, _ in items], device=out_device)] = norms.to(out_device)
+    if not inf:
+        replicas = torch.tensor([1 if (info := _placement_info(g)) is None else info[1] for g in grads],
+                                dtype=torch.float32, device=out_device)
+        out = out.pow(norm_type) / replicas
+    return out
+
+
+def _reduce_groups(
+    contrib: torch.Tensor, tensors: list[torch.Tensor], groups: list[int], n_groups: int, inf: bool
+) -> torch.Tensor:
+    """Sum (max for p = inf) the local contributions [n] into [n_groups], then over every shard.
+
+    DTensor contributions are reduced over their mesh (one ``all_reduce`` per mesh dim); plain
+    tensors count once.
+    """
+    by_mesh: dict = defaultdict(list)
+    for i, t in enumerate(tensors):
+        info = _placement_info(t)
+        by_mesh[None if info is None else info[0]].append(i)
+    total = torch.zeros(n_groups, device=contrib.device)
+    for mesh, idxs in by_mesh.items():
+        acc = torch.zeros(n_groups, device=contrib.device)
+        vals = contrib[torch.tensor(idxs, device=contrib.device)]
+        gidx = torch.tensor([groups[i] for i in idxs], device=contrib.device)
         if inf:
-            acc.scatter_reduce_(0, idx.to(out_device), norms.to(out_device), reduce="amax")
+            acc.scatter_reduce_(0, gidx, vals, reduce="amax")
         else:
-            acc.index_add_(0, idx.to(out_device), (norms.pow(norm_type) / replicas).to(out_device))
-    total = torch.zeros(n_groups, device=out_device)
-    for mesh, acc in partial.items():
+            acc.index_add_(0, gidx, vals)
         if mesh is not None:
             import torch.distributed as dist
 
-            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-            _all_reduce_mesh(acc, mesh, range(mesh.ndim), op)
+            _all_reduce_mesh(acc, mesh, range(mesh.ndim), dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         total = torch.maximum(total, acc) if inf else total + acc
+    return total
+
+
+def _group_norms(grads: list[torch.Tensor], groups: list[int], n_groups: int, norm_type: float) -> torch.Tensor:
+    """p-norm of each group of (possibly sharded) tensors over every shard, float32 [n_groups]."""
+    if not grads:
+        return torch.zeros(n_groups)
+    inf = math.isinf(norm_type)
+    total = _reduce_groups(_local_contributions(grads, norm_type), grads, groups, n_groups, inf)
     return total if inf else total.pow(1.0 / norm_type)
 
 
@@ -315,28 +337,36 @@ class ZScoreClipper:
         )
 
 
-def _unit_sq_norms(t: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm of each output unit over every shard: [rows] (ndim >= 2) or [1]."""
-    loc = _local(t).float()
-    reduced_dims = list(range(1, t.ndim)) if t.ndim >= 2 else list(range(t.ndim))
-    sq = loc.flatten(1).pow(2).sum(1) if t.ndim >= 2 else loc.pow(2).sum().reshape(1)
+def _unit_sq_norms(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared L2 norm of each output unit, float32 [rows] (ndim >= 2) or [1]: (local shard, all shards)."""
+    loc = _local(t)
+    if t.ndim >= 2:
+        reduced_dims = list(range(1, t.ndim))
+        local = torch.linalg.vector_norm(loc.flatten(1), dim=1, dtype=torch.float32).square()
+    else:
+        reduced_dims = list(range(t.ndim))
+        local = torch.linalg.vector_norm(loc, dtype=torch.float32).square().reshape(1)
     info = _placement_info(t)
-    if info is not None:
-        mesh, _replicas, shard_dims = info
-        # rows split over a Shard(0) mesh dim are whole locally; only reduced dims need a sum
-        dims = [md for td in reduced_dims for md in shard_dims.get(td, [])]
-        if dims:
-            import torch.distributed as dist
+    if info is None:
+        return local, local
+    mesh, _replicas, shard_dims = info
+    # rows split over a Shard(0) mesh dim are whole locally; only reduced dims need a sum
+    dims = [md for td in reduced_dims for md in shard_dims.get(td, [])]
+    if not dims:
+        return local, local
+    import torch.distributed as dist
 
-            _all_reduce_mesh(sq, mesh, dims, dist.ReduceOp.SUM)
-    return sq
+    full = local.clone()
+    _all_reduce_mesh(full, mesh, dims, dist.ReduceOp.SUM)
+    return local, full
 
 
 class AGCClipper(_Stateless):
     """Unit-wise adaptive gradient clipping, ||G_i|| / max(||W_i||, eps) <= clipping (Brock et al. 2021).
 
     ``exclude`` holds regexes of parameter names left alone (the paper skips the final
-    classifier, e.g. ``exclude=("lm_head",)``).
+    classifier, e.g. ``exclude=("lm_head",)``). Reads W once and G twice (norms, scaling); the
+    global norms before and after come from the unit norms, without another pass.
     """
 
     def __init__(self, clipping: float = 0.01, eps: float = 1e-3, exclude: Iterable[str] = ()):
@@ -346,26 +376,34 @@ class AGCClipper(_Stateless):
 
     def __call__(self, parameters) -> ClipStats:
         named = [(n, p) for n, p in named_grads(parameters) if not any(r.search(n) for r in self.exclude)]
+        if not named:
+            zero = torch.zeros(())
+            return ClipStats(zero, zero, zero > 0, torch.ones(()))
         grads = [p.grad for _, p in named]
-        before = _group_norms(grads, [0] * len(grads), 1, 2.0)[0]
-        min_scales = []
+        device = _local(grads[0]).device
+        before_c, after_c, min_scales = [], [], []
         with torch.no_grad():
             for _, p in named:
-                w_norm = _unit_sq_norms(p.detach()).sqrt()
-                g_norm = _unit_sq_norms(p.grad).sqrt()
+                w_norm = _unit_sq_norms(p.detach())[1].sqrt()
+                g_local_sq, g_sq = _unit_sq_norms(p.grad)
                 max_norm = self.clipping * torch.clamp(w_norm, min=self.eps)
-                scale = torch.clamp(max_norm / torch.clamp(g_norm, min=_EPS), max=1.0)  # [units]
+                scale = torch.clamp(max_norm / torch.clamp(g_sq.sqrt(), min=_EPS), max=1.0)  # [units]
                 g = _local(p.grad)
-                shape = (-1,) + (1,) * (g.ndim - 1) if p.ndim >= 2 else ()
-                g.mul_(scale.reshape(shape).to(g.dtype) if shape else scale[0].to(g.dtype))
-                min_scales.append(scale.min() if scale.numel() else torch.ones((), device=scale.device))
-        device = before.device
-        scale = torch.stack([s.to(device) for s in min_scales]).min() if min_scales else torch.ones(())
+                g.mul_(scale.reshape((-1,) + (1,) * (g.ndim - 1)).to(g.dtype) if p.ndim >= 2 else scale[0].to(g.dtype))
+                info = _placement_info(p.grad)
+                replicas = 1 if info is None else info[1]
+                # this shard's share of ||G||^2 before / after: rows of the local shard
+                before_c.append(g_local_sq.sum().to(device) / replicas)
+                after_c.append((g_local_sq * scale.square()).sum().to(device) / replicas)
+                min_scales.append(scale.min().to(device) if scale.numel() else torch.ones((), device=device))
+        sums = _reduce_groups(torch.stack(before_c + after_c), grads + grads, [0] * len(grads) + [1] * len(grads), 2,
+                              inf=False)
+        before, after = sums.sqrt().unbind()
+        scale = torch.stack(min_scales).min()
         if any(_placement_info(g) is not None for g in grads):
             import torch.distributed as dist
 
             dist.all_reduce(scale, op=dist.ReduceOp.MIN)  # sharded rows: every rank reports the same
-        after = _group_norms(grads, [0] * len(grads), 1, 2.0)[0]
         return ClipStats(before, after, scale < 1.0, scale)
 
 
@@ -397,30 +435,40 @@ class PerLayerClipper(_Stateless):
             if any(isinstance(p, torch.Tensor) for p in parameters):
                 raise TypeError("PerLayerClipper matches parameter names: pass a module or (name, tensor) pairs")
         named = named_grads(parameters)
+        if not named:
+            zero = torch.zeros(())
+            return ClipStats(zero, zero, zero > 0, torch.ones(()))
         keys: dict[tuple[str, float], int] = {}
-        grads, groups, bounds, all_grads = [], [], [], []
+        grads, groups, bounds = [], [], []
         for n, p in named:
-            all_grads.append(p.grad)
+            grads.append(p.grad)
             bound = self._bound(n)
             if bound is None:
+                groups.append(-1)  # unbounded: assigned to the last group below
                 continue
             key = (n.rpartition(".")[0], bound)
             if key not in keys:
                 keys[key] = len(keys)
                 bounds.append(bound)
-            grads.append(p.grad)
             groups.append(keys[key])
-        before = _group_norms(all_grads, [0] * len(all_grads), 1, self.norm_type)[0]
-        if not grads:
-            one = torch.ones((), device=before.device)
-            return ClipStats(before, before, one < 1.0, one)
-        norms = _group_norms(grads, groups, len(bounds), self.norm_type)
-        scales = torch.clamp(torch.tensor(bounds, device=norms.device) / (norms + _EPS), max=1.0)
+        n_b = len(bounds)
+        groups = [n_b if k < 0 else k for k in groups]
+        inf = math.isinf(self.norm_type)
+        # one pass over the gradients for every layer's norm; before/after follow from them
+        sums = _reduce_groups(_local_contributions(grads, self.norm_type), grads, groups, n_b + 1, inf)
+        norms = sums if inf else sums.pow(1.0 / self.norm_type)  # [n_b + 1], last = unbounded
+        scales = torch.ones_like(norms)
+        scales[:n_b] = torch.clamp(torch.tensor(bounds, device=norms.device) / (norms[:n_b] + _EPS), max=1.0)
         by_group = defaultdict(list)
         for g, k in zip(grads, groups):
-            by_group[k].append(g)
+            if k < n_b:
+                by_group[k].append(g)
         for k, gs in by_group.items():
             _scale_(gs, scales[k])
-        after = _group_norms(all_grads, [0] * len(all_grads), 1, self.norm_type)[0]
+        if inf:
+            before, after = sums.max(), (sums * scales).max()
+        else:
+            p = self.norm_type
+            before, after = sums.sum().pow(1.0 / p), (sums * scales.pow(p)).sum().pow(1.0 / p)
         scale = scales.min()
-        return ClipStats(before, after, scale < 1.0, scale, {"layers_clipped": (scales < 1.0).sum().float()})
+        return ClipStats(before, after, scale < 1.0, scale, {"layers_clipped": (scales[:n_b] < 1.0).sum().float()})

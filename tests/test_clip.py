@@ -83,6 +83,9 @@ def test_every_clipper_bounds_its_norm_and_keeps_direction(shapes, seed, grad_sc
     stats = clipper(named)
     after = [p.grad for p in params]
     assert float(stats.norm_after) <= float(stats.norm_before) * (1 + 1e-6)
+    # the reported norms are the real ones
+    torch.testing.assert_close(stats.norm_before, torch.cat([b.reshape(-1) for b in before]).norm(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats.norm_after, grad_norm(params), rtol=1e-5, atol=1e-6)
     if isinstance(clipper, GlobalNormClipper):
         assert float(grad_norm(params)) <= 0.5 * (1 + 1e-5)
     if isinstance(clipper, ZScoreClipper):
