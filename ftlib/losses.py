@@ -89,6 +89,7 @@ class _ChunkedCE(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_h else None
         c, dtype = ctx.chunk_size, ctx.dtype
         acc = lse.dtype
+        # (V, H) accumulator in fp32: summing many chunks in bf16 would lose the small updates
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         w = weight.to(dtype)
         for s in range(0, h.shape[0], c):

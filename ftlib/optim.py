@@ -29,8 +29,8 @@ backward; on overflow the step is skipped and s <- s * backoff; after ``growth_i
 clean steps s <- s * growth (Micikevicius et al. 2018, "Mixed Precision Training").
 
 Non-finite gradients (any precision): the step is skipped and counted; the norm used for the
-check is the global one (over every shard), so every rank skips together. A :class:`NanTrace`
-(off by default) names the first module whose forward output or gradient went non-finite.
+check is the global one (over every shard), so every rank skips together. A
+``ftlib.nan_trace.NanTrace`` passed as ``nan_trace=`` (off by default) names the first module whose forward output or gradient went non-finite.
 
 DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync``: wrap each micro-batch in
 ``grad_sync(model, enabled=is_last_micro_batch)`` so only the last backward of a window
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -49,8 +49,9 @@ import torch
 from torch import nn
 
 from ftlib.clip import _local, grad_norm
+from ftlib.nan_trace import NanTrace
 
-__all__ = ["param_groups", "make_adamw", "NanTrace", "StepResult", "TrainOptimizer"]
+__all__ = ["param_groups", "make_adamw", "StepResult", "TrainOptimizer"]
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -161,79 +162,6 @@ def make_adamw(
     )
 
 
-def _tensors(x) -> Iterator[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for v in x:
-            yield from _tensors(v)
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
-
-
-class NanTrace:
-    """Name the first module whose forward output or gradient went non-finite (hooks; debug aid).
-
-    Forward: every module's outputs are checked as it returns, so the innermost module that
-    produced a NaN/Inf is named first. Backward: hooks on each module's input and output
-    tensors and on parameters fire in the order autograd computes the gradients; a gradient that
-    is finite at a module's output but not at its input was made non-finite by that module's
-    backward. Each check costs a host sync: create a trace only while hunting a NaN.
-
-    ``first`` is e.g. ``"forward output of 'layers.1.mlp' (Linear)"`` or None.
-    """
-
-    def __init__(self, model: nn.Module):
-        self.first: str | None = None
-        self._first_key: tuple[int, str] | None = None
-        self._handles = []
-        for name, module in model.named_modules():
-            self._handles.append(module.register_forward_hook(self._forward_hook(name or "<root>")))
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                self._handles.append(p.register_hook(self._grad_hook(f"gradient of parameter '{name}'", None)))
-
-    def _check(self, t: torch.Tensor) -> bool:
-        return t.is_floating_point() and not bool(torch.isfinite(t).all())
-
-    def _grad_hook(self, where: str, key: tuple[int, str] | None):
-        def hook(grad):
-            if self.first is None:
-                if self._check(grad):
-                    self.first, self._first_key = where, key
-            elif key is not None and key[1] == "in" and self._first_key == (key[0], "out"):
-                # the same tensor is the output of one module and the input of the next: its
-                # gradient was made by the next module's backward, so that module is named
-                self.first, self._first_key = where, key
-
-        return hook
-
-    def _forward_hook(self, name: str):
-        def hook(module, inputs, output):
-            kind = type(module).__name__
-            for t in _tensors(output):
-                if self.first is None and self._check(t):
-                    self.first = f"forward output of '{name}' ({kind})"
-                if t.requires_grad and t.is_floating_point():
-                    where = f"gradient at the output of '{name}' ({kind})"
-                    t.register_hook(self._grad_hook(where, (id(t), "out")))
-            for t in _tensors(inputs):
-                if t.requires_grad and t.is_floating_point():
-                    where = f"backward of '{name}' ({kind}): gradient w.r.t. its input"
-                    t.register_hook(self._grad_hook(where, (id(t), "in")))
-
-        return hook
-
-    def reset(self) -> None:
-        self.first, self._first_key = None, None
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
 @dataclass
 class StepResult:
     """What one ``TrainOptimizer.step()`` did (plain Python values, ready to log)."""
@@ -253,12 +181,13 @@ class TrainOptimizer:
     Loop::
 
         opt = TrainOptimizer(make_adamw(param_groups(model, lr=2e-4)), precision="bf16")
-        for window in windows:
+        for window in windows:                       # one window = one optimizer step
             for i, batch in enumerate(window):
-                with opt.grad_sync(model, enabled=i == len(window) - 1), opt.autocast():
-                    loss_sum, n = chunked_cross_entropy(model.hidden(batch), head_w, batch["labels"])
-                opt.backward(loss_sum, n)   # inside grad_sync for DDP (backward does the sync)
-            result = opt.step(clipper)      # normalise by tokens, clip, step, zero grads
+                with opt.grad_sync(model, enabled=i == len(window) - 1):  # DDP/FSDP2: sync once
+                    with opt.autocast():
+                        logits = model(batch["input_ids"])
+                    opt.backward(*cross_entropy_sum(logits, batch["labels"]))  # (loss_sum, n_tokens)
+            result = opt.step(clipper)               # normalise by tokens, clip, step, zero grads
             sched.step()
 
     ``step()`` zeroes gradients: it closes the window.
@@ -336,8 +265,9 @@ class TrainOptimizer:
 
     def _params(self) -> list:
         named = []
-        for g in self.optimizer.param_groups:
-            names = g.get("param_names") or [f"group{len(named)}.param{i}" for i in range(len(g["params"]))]
+        for k, g in enumerate(self.optimizer.param_groups):
+            # param_names (from param_groups()) let name-matching clippers work through step()
+            names = g.get("param_names") or [f"group{k}.param{i}" for i in range(len(g["params"]))]
             named.extend(zip(names, g["params"]))
         return named
 

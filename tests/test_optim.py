@@ -12,7 +12,8 @@ from torch import nn
 
 from ftlib.clip import GlobalNormClipper
 from ftlib.losses import cross_entropy_sum
-from ftlib.optim import NanTrace, TrainOptimizer, make_adamw, param_groups
+from ftlib.nan_trace import NanTrace
+from ftlib.optim import TrainOptimizer, make_adamw, param_groups
 
 V, H = 11, 6
 
