@@ -291,6 +291,13 @@ class LRScheduler:
             self.schedule.observe(loss, self.progress)
         self._apply()
 
+    def observe(self, metric: float) -> None:
+        """Feed a metric measured between steps (e.g. eval loss for ReduceOnPlateau) and re-apply."""
+        if not hasattr(self.schedule, "observe"):
+            raise TypeError(f"{type(self.schedule).__name__} is a closed-form schedule: it observes nothing")
+        self.schedule.observe(metric, self.progress)
+        self._apply()
+
     def get_last_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 

@@ -238,6 +238,16 @@ def test_state_round_trip_gives_identical_future(seed, split, kind):
         assert lr1 == pytest.approx(16 * lr0, rel=1e-12, abs=1e-18)
 
 
+def test_observe_between_steps_applies_reduce_on_plateau_at_once():
+    p = torch.nn.Parameter(torch.zeros(1))
+    sched = LRScheduler(torch.optim.SGD([p], lr=1.0), ReduceOnPlateau(factor=0.5, patience=0))
+    sched.observe(1.0)
+    sched.observe(2.0)  # no improvement, patience 0: halve now
+    assert sched.get_last_lr() == [0.5]
+    with pytest.raises(TypeError, match="closed-form"):
+        LRScheduler(torch.optim.SGD([p], lr=1.0), WarmupDecay(10)).observe(1.0)
+
+
 def test_token_driven_warmup_counts_tokens():
     p = torch.nn.Parameter(torch.zeros(1))
     sched = LRScheduler(torch.optim.SGD([p], lr=2.0), WarmupDecay(10_000, warmup=1_000, decay="constant"))
