@@ -342,6 +342,10 @@ class TrainOptimizer:
             return
         if self._tokens is None:
             raise RuntimeError("no backward() in this window: nothing to step on")
+        if self._window_local is not None and round(float(self._tokens)) != self._window_local:
+            msg = f"set_window_tokens({self._window_local}) but backward() calls counted {round(float(self._tokens))} tokens"
+            self.zero_grad()  # drop the mis-normalised window
+            raise ValueError(msg)
         totals = torch.stack([self._tokens, self._loss_sum]).to(self._comm_device())
         self._totals = self._all_reduce(totals)
         if self.scaler is not None:
@@ -365,12 +369,7 @@ class TrainOptimizer:
         clip = clipper(params) if clipper is not None else None
         norm = clip.norm_before if clip is not None else grad_norm(params)
         totals = self._totals
-        vals = torch.cat([totals.double().cpu(), self._tokens.reshape(1).cpu(), norm.double().reshape(1).cpu()])
-        tokens, loss_sum, local_tokens, norm_v = vals.tolist()
-        if self._window_local is not None and round(local_tokens) != self._window_local:
-            msg = f"set_window_tokens({self._window_local}) but backward() calls counted {round(local_tokens)} tokens"
-            self.zero_grad()  # drop the mis-normalised window
-            raise ValueError(msg)
+        tokens, loss_sum, norm_v = torch.cat([totals.double().cpu(), norm.double().reshape(1).cpu()]).tolist()
         skipped = not math.isfinite(norm_v)
         if skipped:
             self.skipped_steps += 1
