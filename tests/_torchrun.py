@@ -1,0 +1,24 @@
+"""Run a 2-rank torchrun worker from a test."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_torchrun(worker: Path, out_dir: Path, timeout: float = 120.0) -> None:
+    """Launch ``worker`` on 2 CPU ranks (gloo); kill the whole process group on timeout."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
+           str(out_dir)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{worker.name} timed out after {timeout} s:\n{out[-3000:]}") from None
+    assert proc.returncode == 0, out[-5000:]
+    assert (out_dir / "ok").read_text() == "ok"

@@ -1,0 +1,105 @@
+"""Token-weighted cross-entropy: shift convention, chunked == plain (value and gradients)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftlib.losses import chunked_cross_entropy, count_target_tokens, cross_entropy_sum
+
+
+def make_case(seed, b, t, h, v, ignore_frac, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, t, h, generator=g, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(v, h, generator=g, dtype=dtype) / h**0.5).requires_grad_()
+    labels = torch.randint(0, v, (b, t), generator=g)
+    labels[torch.rand(b, t, generator=g) < ignore_frac] = -100
+    return hidden, weight, labels
+
+
+def test_shift_convention_labels_aligned_with_input_ids():
+    """logits[:, t] predict labels[:, t + 1]: logits that put all mass on the next label give ~0 loss."""
+    labels = torch.tensor([[5, 1, 2, 3], [-100, 4, 0, -100]])
+    logits = torch.full((2, 4, 6), -1e4)
+    for b in range(2):
+        for t in range(3):
+            if labels[b, t + 1] != -100:
+                logits[b, t, labels[b, t + 1]] = 1e4
+    loss, n = cross_entropy_sum(logits, labels)
+    assert float(loss) == 0.0 and int(n) == 5 and int(count_target_tokens(labels)) == 5
+    # the same logits scored against unshifted labels are badly wrong
+    assert float(F.cross_entropy(logits.reshape(-1, 6), labels.reshape(-1), ignore_index=-100)) > 1e3
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 3), st.integers(1, 9), st.integers(1, 6), st.integers(2, 13),
+       st.integers(1, 7), st.sampled_from([0.0, 0.3, 1.0]))
+def test_chunked_equals_plain_value_and_grads(seed, b, t, h, v, chunk, ignore_frac):
+    """Invariant: chunked_cross_entropy == cross_entropy_sum(hidden @ W.T) in loss, count and the
+    gradients w.r.t. hidden and W, for any chunk size (float64, tight)."""
+    hidden, weight, labels = make_case(seed, b, t, h, v, ignore_frac)
+    loss, n = chunked_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+    gh, gw = torch.autograd.grad(loss * 1.7, (hidden, weight), allow_unused=True)
+    ref, n_ref = cross_entropy_sum(hidden @ weight.t(), labels)
+    rh, rw = torch.autograd.grad(ref * 1.7, (hidden, weight), allow_unused=True)
+    assert int(n) == int(n_ref)
+    torch.testing.assert_close(loss.double(), ref.double(), rtol=1e-6, atol=1e-6)
+    zero = lambda x, like: torch.zeros_like(like) if x is None else x
+    torch.testing.assert_close(zero(gh, hidden), zero(rh, hidden), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(zero(gw, weight), zero(rw, weight), rtol=1e-6, atol=1e-9)
+
+
+def test_chunked_fp32_and_frozen_head():
+    hidden, weight, labels = make_case(0, 2, 11, 8, 17, 0.2, dtype=torch.float32)
+    weight.requires_grad_(False)  # a LoRA run: the head is frozen
+    loss, _ = chunked_cross_entropy(hidden, weight, labels, chunk_size=4)
+    (gh,) = torch.autograd.grad(loss, hidden)
+    ref, _ = cross_entropy_sum(hidden @ weight.t(), labels)
+    (rh,) = torch.autograd.grad(ref, hidden)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gh, rh, rtol=1e-4, atol=1e-6)
+
+
+def test_chunked_never_saves_full_logits():
+    """Invariant: nothing saved for backward is as large as the [N, V] logits (N target tokens)."""
+    b, t, h, v, chunk = 2, 33, 4, 50, 8
+    hidden, weight, labels = make_case(1, b, t, h, v, 0.0, dtype=torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
+        loss, n = chunked_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+    assert saved and max(saved) < int(n) * v
+    loss.backward()
+
+
+def test_chunked_under_bf16_autocast_matches_plain():
+    hidden, weight, labels = make_case(2, 2, 9, 16, 32, 0.1, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = chunked_cross_entropy(hidden, weight, labels, chunk_size=5)
+        ref, _ = cross_entropy_sum(F.linear(hidden, weight), labels)
+    torch.testing.assert_close(loss, ref, rtol=2e-2, atol=1e-2)
+    loss.backward()
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+
+
+def test_all_labels_ignored_gives_zero():
+    hidden, weight, labels = make_case(3, 2, 5, 4, 7, 1.0)
+    loss, n = chunked_cross_entropy(hidden, weight, labels)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and int(n) == 0 and float(hidden.grad.abs().sum()) == 0.0
+
+
+def test_bad_loss_input_raises():
+    hidden, weight, labels = make_case(4, 2, 5, 4, 7, 0.0)
+    with pytest.raises(ValueError, match="labels must be"):
+        cross_entropy_sum(torch.zeros(2, 6, 7), labels)
+    with pytest.raises(ValueError, match="lm_head_weight"):
+        chunked_cross_entropy(hidden, weight.t(), labels)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_cross_entropy(hidden, weight, labels, chunk_size=0)
+    bad = labels.clone()
+    bad[0, 2] = 7
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 7\)"):
+        chunked_cross_entropy(hidden, weight, bad)
+    with pytest.raises(TypeError, match="int64"):
+        cross_entropy_sum(torch.zeros(2, 5, 7), labels.float())
