@@ -131,15 +131,17 @@ class LoRALinear(nn.Module):
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.lora_A.weight.dtype)
         h = self.lora_dropout(x)
-        lora = self.lora_B(self.lora_A(h)) * self.scaling  # (..., out)
+        lora = self.lora_B(self.lora_A(h))  # (..., out), unscaled
         if not self.use_dora:
-            return (result + lora).to(out_dtype)
+            return torch.add(result, lora, alpha=self.scaling).to(out_dtype)
         mag_scale = self.lora_magnitude_vector / self.weight_norm()  # (out,), grad flows to m only
         if isinstance(self.lora_dropout, nn.Identity) or not self.training:
             base_nobias = result if self.base_layer.bias is None else result - self.base_layer.bias
         else:
             base_nobias = self._base_matmul(h)  # W drop(x): the DoRA term sees the same dropped input
-        return (result + (mag_scale - 1) * base_nobias + mag_scale * lora).to(out_dtype)
+        # result + (m/n - 1) W x + (m/n) s B A x, as two fused multiply-adds; exact at init (m/n = 1, B = 0)
+        y = torch.addcmul(result.to(mag_scale.dtype), mag_scale - 1, base_nobias)
+        return torch.addcmul(y, mag_scale * self.scaling, lora).to(out_dtype)
 
     # ---- merging ---------------------------------------------------------------------------
     @torch.no_grad()
