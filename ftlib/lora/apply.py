@@ -92,6 +92,11 @@ def _linear_names(model: nn.Module) -> list[str]:
 def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) -> nn.Module:
     """Adapt ``model`` in place as ``config`` says and return it.
 
+    Every parameter is frozen except the adapters and the floating-point parameters of
+    ``modules_to_save`` (trained in place; a tied weight, e.g. an ``lm_head`` sharing the
+    embedding matrix, is trained for both). The trainable count and fraction are logged on
+    the ``ftlib.lora`` logger; :func:`count_params` returns them.
+
     Raises ValueError when a target or ``modules_to_save`` pattern matches nothing, TypeError
     when a matched module is not a linear layer, RuntimeError when the model is already adapted.
     """

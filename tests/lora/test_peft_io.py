@@ -68,8 +68,13 @@ def test_ftlib_adapter_loads_in_peft(base, variant, tmp_path):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_peft_adapter_loads_in_ftlib(base, variant, tmp_path):
     pc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "o_proj", "up_proj"], init_lora_weights=False,
-                         rank_pattern={"up_proj": 2} if variant == "lora" else {}, **VARIANTS[variant])
+                         rank_pattern={"up_proj": 2} if variant == "lora" else {},
+                         modules_to_save=["lm_head"] if variant == "rslora" else None, **VARIANTS[variant])
     pm = peft.get_peft_model(copy.deepcopy(base), pc).eval()
+    with torch.no_grad():  # make the trained copy of lm_head differ from the base's
+        for n, p in pm.named_parameters():
+            if "modules_to_save" in n:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
     pm.save_pretrained(tmp_path)
     m = load_adapter(copy.deepcopy(base), tmp_path).eval()
     assert len(list(lora_layers(m))) == 6
