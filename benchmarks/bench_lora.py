@@ -1,6 +1,7 @@
 """LoRA vs DoRA forward+backward: time ratio and peak memory on one large linear layer.
 
-Variants (same weights, same input, one training step = forward + backward of sum(y^2)):
+Variants (same weights, same input, one training step = forward + backward of sum(y^2), with
+gradients for the adapter and for the input, as for a layer inside a network):
   lora          ftlib LoRALinear
   dora          ftlib LoRALinear(use_dora=True): norm from W A^T, no out x in temporary
   dora_peft     DoRA as PEFT computes it: materialises B A and W + s B A each step
@@ -111,13 +112,15 @@ def _peak_step_bytes(step, device: str) -> int:
 def run_all(variants: list[str], args) -> list[dict]:
     """Build every variant, then time them round-robin so machine noise hits all alike."""
     device = args.device
-    x = torch.randn(args.tokens, args.n_in, device=device)
+    # the input requires grad, as inside a network: backward also computes dL/dx through the frozen base
+    x = torch.randn(args.tokens, args.n_in, device=device, requires_grad=True)
     steps = {}
     for v in variants:
         model = _build(v, args.n_in, args.n_out, args.r, device)
 
         def step(model=model):
             model(x).pow(2).sum().backward()
+            x.grad = None
             for p in model.parameters():
                 p.grad = None
 
@@ -145,8 +148,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads (0: torch's default); 1 avoids OpenMP stalls on a busy machine")
     ap.add_argument("--csv", default=None, help="append result rows to this CSV file")
     args = ap.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
 
     try:
         import peft  # noqa: F401
@@ -173,11 +180,11 @@ def main() -> None:
         with open(args.csv, "a", newline="") as f:
             w = csv.writer(f)
             if new:
-                w.writerow(["date", "device", "device_name", "torch", "ftlib", "n_in", "n_out", "r", "tokens",
+                w.writerow(["date", "device", "device_name", "threads", "torch", "ftlib", "n_in", "n_out", "r", "tokens",
                             "dtype", "variant", "ms_median", "ratio_vs_lora", "ms_min", "ratio_min_vs_lora", "peak_mb"])
             now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
             for r in rows:
-                w.writerow([now, args.device, device_name, torch.__version__, ftlib.__version__, args.n_in, args.n_out,
+                w.writerow([now, args.device, device_name, torch.get_num_threads(), torch.__version__, ftlib.__version__, args.n_in, args.n_out,
                             args.r, args.tokens, "float32", r["variant"], f"{r['ms']:.2f}",
                             f"{r['ms'] / base_ms:.3f}", f"{r['ms_min']:.2f}", f"{r['ms_min'] / base_min:.3f}",
                             f"{r['peak_mb']:.1f}"])
