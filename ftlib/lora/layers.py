@@ -110,7 +110,11 @@ class LoRALinear(nn.Module):
     def _w_sq(self) -> torch.Tensor:
         """Cached ``||W||_row^2`` fp32 [out] of the frozen base."""
         t = self.base_layer.codes if self.is_quantized else self.base_layer.weight
-        key = (t.data_ptr(), t._version, t.device, t.dtype, tuple(t.shape))
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors have no version counter: never trust the cache
+            version = object()
+        key = (t.data_ptr(), version, t.device, t.dtype, tuple(t.shape))
         if self._w_sq_cache is None or self._w_sq_cache[0] != key:
             w = self.base_weight(torch.float32) if self.is_quantized else t.detach()
             self._w_sq_cache = (key, row_sq_norm(w))

@@ -120,6 +120,17 @@ def _nearest(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(scaled, midpoints, out_int32=True).to(torch.uint8)
 
 
+_PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _nf4_pair_table(device: torch.device) -> torch.Tensor:
+    """(256, 2) fp32: the two NF4 values a packed byte stands for, high nibble first."""
+    if device not in _PAIR_TABLES:
+        byte = torch.arange(256)
+        _PAIR_TABLES[device] = torch.stack([NF4_CODE[byte >> 4], NF4_CODE[byte & 0xF]], dim=1).to(device)
+    return _PAIR_TABLES[device]
+
+
 def _check_blocksize(blocksize: int) -> None:
     if blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
         raise ValueError(f"NF4 blocksize must be one of 32, 64, ..., 4096 (a power of two), got {blocksize}")
@@ -164,9 +175,9 @@ def dequantize_nf4(
             f"dequantize_nf4: shape {tuple(shape)} with blocksize {blocksize} needs {(n + 1) // 2} code bytes "
             f"and {nb} absmax values, got {codes.numel()} and {absmax.numel()}"
         )
-    codes = codes.reshape(-1)
-    idx = torch.stack([codes >> 4, codes & 0xF], dim=1).reshape(-1).long()  # (2 * bytes,)
-    vals = NF4_CODE.to(codes.device)[idx]
+    # one gather per byte from a 256 x 2 table (high nibble first): no per-element int64 index
+    pairs = _nf4_pair_table(codes.device)  # (256, 2)
+    vals = pairs.index_select(0, codes.reshape(-1).int()).reshape(-1)  # (2 * bytes,)
     vals = F.pad(vals, (0, nb * blocksize - vals.numel())) if vals.numel() < nb * blocksize else vals
     vals = vals[: nb * blocksize].view(nb, blocksize) * absmax.float().view(-1, 1)
     return vals.reshape(-1)[:n].view(*shape).to(dtype)

@@ -210,3 +210,12 @@ def test_bad_arguments():
         LoRALinear(nn.Conv1d(4, 4, 1), 2, 1)
     with pytest.raises(ValueError, match="init"):
         LoRALinear(nn.Linear(4, 4), 2, 1, init="orthogonal")
+
+
+def test_dora_under_inference_mode():
+    torch.manual_seed(0)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():  # weights made here are inference tensors (no version counter)
+        base = nn.Linear(16, 8)
+        layer = LoRALinear(base, 2, 4, use_dora=True)
+        assert torch.equal(layer(x), base(x))
