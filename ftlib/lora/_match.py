@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["is_target", "matches_any", "pattern_value", "resolve_all_linear"]
+__all__ = ["in_modules_to_save", "is_target", "matches_any", "pattern_value", "resolve_all_linear"]
 
 
 def matches_any(name: str, spec: list[str] | str | None) -> bool:

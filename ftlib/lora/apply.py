@@ -41,6 +41,7 @@ __all__ = [
     "lora_plus_param_groups",
     "merge_and_unload",
     "merge_lora",
+    "plan_lora",
     "trainable_params",
     "unmerge_lora",
 ]
@@ -89,6 +90,33 @@ def _linear_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, NF4Linear))]
 
 
+def plan_lora(model: nn.Module, config: LoRAConfig) -> tuple[LoRAConfig, list[tuple[str, nn.Module]], list[str]]:
+    """What :func:`apply_lora` would do, without touching the model.
+
+    Returns (config with ``"all-linear"`` resolved, ``[(name, linear)]`` targets, names of
+    ``modules_to_save`` modules); raises as :func:`apply_lora` does.
+    """
+    if config.target_modules == "all-linear":
+        config = config.replace(target_modules=resolve_all_linear(model))
+    targets = [(n, m) for n, m in model.named_modules() if n and is_target(n, config)]
+    if not targets:
+        linears = _linear_names(model)
+        raise ValueError(
+            f"apply_lora: target_modules={config.target_modules!r} matched no module; "
+            f"linear layers in this model include {linears[:8]}{' ...' if len(linears) > 8 else ''}"
+        )
+    for name, mod in targets:
+        if not isinstance(mod, (nn.Linear, NF4Linear)):
+            raise TypeError(f"apply_lora: target {name!r} is a {type(mod).__name__}; only linear layers can be adapted")
+    save_names: list[str] = []
+    for pat in config.modules_to_save:
+        found = [n for n, _ in model.named_modules() if n and matches_any(n, [pat])]
+        if not found:
+            raise ValueError(f"apply_lora: modules_to_save entry {pat!r} matched no module")
+        save_names += found
+    return config, targets, save_names
+
+
 def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) -> nn.Module:
     """Adapt ``model`` in place as ``config`` says and return it.
 
@@ -102,24 +130,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
     """
     if any(True for _ in lora_layers(model)) or getattr(model, _CONFIG_ATTR, None) is not None:
         raise RuntimeError("apply_lora: model already has LoRA adapters (one adapter per model)")
-    if config.target_modules == "all-linear":
-        config = config.replace(target_modules=resolve_all_linear(model))
-    targets = [(n, m) for n, m in model.named_modules() if n and is_target(n, config)]
-    if not targets:
-        linears = _linear_names(model)
-        raise ValueError(
-            f"apply_lora: target_modules={config.target_modules!r} matched no module; "
-            f"linear layers in this model include {linears[:8]}{' ...' if len(linears) > 8 else ''}"
-        )
-    for name, mod in targets:
-        if not isinstance(mod, (nn.Linear, NF4Linear)):
-            raise TypeError(f"apply_lora: target {name!r} is a {type(mod).__name__}; only linear layers can be adapted")
-    save_names = []
-    for pat in config.modules_to_save:
-        found = [n for n, _ in model.named_modules() if n and matches_any(n, [pat])]
-        if not found:
-            raise ValueError(f"apply_lora: modules_to_save entry {pat!r} matched no module")
-        save_names += found
+    config, targets, save_names = plan_lora(model, config)
 
     for p in model.parameters():
         p.requires_grad_(False)

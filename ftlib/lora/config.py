@@ -19,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._match import pattern_value
+
 __all__ = ["LoRAConfig"]
 
 # PEFT config fields naming features ftlib does not implement: an adapter that sets any of
@@ -95,13 +97,11 @@ class LoRAConfig:
             raise ValueError("LoRAConfig.target_modules is empty: name the modules to adapt")
 
     def rank_for(self, name: str) -> int:
-        from ._match import pattern_value
-
+        """Rank of module ``name`` (``rank_pattern`` override or ``r``)."""
         return pattern_value(self.rank_pattern, name, self.r)
 
     def alpha_for(self, name: str) -> float:
-        from ._match import pattern_value
-
+        """Alpha of module ``name`` (``alpha_pattern`` override or ``alpha``)."""
         return pattern_value(self.alpha_pattern, name, self.alpha)
 
     # ---- PEFT adapter_config.json ------------------------------------------------------------

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .apply import _CONFIG_ATTR, apply_lora, get_lora_config, lora_layers
+from ._match import matches_any
+from .apply import _CONFIG_ATTR, apply_lora, get_lora_config, lora_layers, plan_lora
 from .config import LoRAConfig
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_state_dict", "load_adapter", "save_adapter"]
@@ -43,22 +44,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors under PEFT's keys (CPU copies)."""
-    cfg = get_lora_config(model)
-    out: dict[str, torch.Tensor] = {}
-    for name, layer in lora_layers(model):
-        out[f"{_PREFIX}{name}.lora_A.weight"] = _full(layer.lora_A.weight)
-        out[f"{_PREFIX}{name}.lora_B.weight"] = _full(layer.lora_B.weight)
-        if layer.use_dora:
-            out[f"{_PREFIX}{name}.lora_magnitude_vector"] = _full(layer.lora_magnitude_vector)
-    for mod_name in _saved_module_names(model, cfg):
-        for pname, p in model.get_submodule(mod_name).named_parameters():
-            out[f"{_PREFIX}{mod_name}.{pname}"] = _full(p)
-    return out
+    return {_PREFIX + k: _full(p) for k, p in _adapter_params(model).items()}
 
 
 def _saved_module_names(model: nn.Module, cfg: LoRAConfig) -> list[str]:
-    from ._match import matches_any
-
     return [n for n, _ in model.named_modules() if n and matches_any(n, cfg.modules_to_save)]
 
 
@@ -162,24 +151,27 @@ def load_adapter(
                 "(pass check_base=False to load anyway)"
             )
 
+    # expected key -> shape, from the adapted model or from what apply_lora would build
     existing = getattr(model, _CONFIG_ATTR, None)
     if existing is None:
         try:
-            apply_lora(model, cfg)
+            resolved, targets, save_names = plan_lora(model, cfg)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: adapter does not fit this model (another base?): {e}") from None
-    elif not _same_targets(existing, cfg):
-        raise ValueError(f"{path / ADAPTER_CONFIG}: config {d} differs from the model's adapter config {existing}")
-
-    expected: dict[str, torch.Tensor] = {}
-    for name, layer in lora_layers(model):
-        expected[f"{name}.lora_A.weight"] = layer.lora_A.weight
-        expected[f"{name}.lora_B.weight"] = layer.lora_B.weight
-        if layer.use_dora:
-            expected[f"{name}.lora_magnitude_vector"] = layer.lora_magnitude_vector
-    for mod_name in _saved_module_names(model, get_lora_config(model)):
-        for pname, p in model.get_submodule(mod_name).named_parameters():
-            expected[f"{mod_name}.{pname}"] = p
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, mod in targets:
+            r = resolved.rank_for(name)
+            shapes[f"{name}.lora_A.weight"] = (r, mod.in_features)
+            shapes[f"{name}.lora_B.weight"] = (mod.out_features, r)
+            if resolved.use_dora:
+                shapes[f"{name}.lora_magnitude_vector"] = (mod.out_features,)
+        for mod_name in save_names:
+            for pname, p in model.get_submodule(mod_name).named_parameters():
+                shapes[f"{mod_name}.{pname}"] = tuple(p.shape)
+    else:
+        if not _same_targets(existing, cfg):
+            raise ValueError(f"{path / ADAPTER_CONFIG}: config {d} differs from the model's adapter config {existing}")
+        shapes = {k: tuple(p.shape) for k, p in _adapter_params(model).items()}
 
     try:
         with safe_open(str(wfile), framework="pt") as f:
@@ -194,18 +186,36 @@ def load_adapter(
     except SafetensorError as e:
         raise ValueError(f"{wfile}: unreadable safetensors file: {e}") from None
 
-    unexpected = sorted(set(loaded) - set(expected))
-    missing = sorted(set(expected) - set(loaded))
+    unexpected = sorted(set(loaded) - set(shapes))
+    missing = sorted(set(shapes) - set(loaded))
     if unexpected:
         raise ValueError(f"{wfile}: tensors for modules this model lacks (adapter for another base?): "
                          f"{[_PREFIX + k for k in unexpected[:5]]}")
     if missing:
         raise ValueError(f"{wfile}: missing adapter tensors {[_PREFIX + k for k in missing[:5]]}")
     for k, t in loaded.items():
-        if tuple(t.shape) != tuple(expected[k].shape):
+        if tuple(t.shape) != shapes[k]:
             raise ValueError(f"{wfile}: {_PREFIX + k} has shape {tuple(t.shape)}, the model needs "
-                             f"{tuple(expected[k].shape)} (adapter for another base or rank?)")
+                             f"{shapes[k]} (adapter for another base or rank?)")
+    # everything checked: only now change the model
+    if existing is None:
+        apply_lora(model, cfg)
+    params = _adapter_params(model)
     with torch.no_grad():
         for k, t in loaded.items():
-            expected[k].copy_(t.to(expected[k].dtype))
+            params[k].copy_(t.to(params[k].dtype))
     return model
+
+
+def _adapter_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter and ``modules_to_save`` parameters under their PEFT key (without the prefix)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, layer in lora_layers(model):
+        out[f"{name}.lora_A.weight"] = layer.lora_A.weight
+        out[f"{name}.lora_B.weight"] = layer.lora_B.weight
+        if layer.use_dora:
+            out[f"{name}.lora_magnitude_vector"] = layer.lora_magnitude_vector
+    for mod_name in _saved_module_names(model, get_lora_config(model)):
+        for pname, p in model.get_submodule(mod_name).named_parameters():
+            out[f"{mod_name}.{pname}"] = p
+    return out

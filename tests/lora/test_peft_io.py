@@ -142,8 +142,10 @@ def test_bad_adapters(base, tmp_path):
     bad = dict(weights)
     k = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
     bad[k] = torch.zeros(31, 4)
+    plain = copy.deepcopy(base)
     with pytest.raises(ValueError, match=r"q_proj.lora_B.weight has shape \(31, 4\)"):
-        load_adapter(copy.deepcopy(base), write("shape", w=bad))
+        load_adapter(plain, write("shape", w=bad))
+    assert not list(lora_layers(plain)), "a refused adapter must leave the model untouched"
     # an adapter for another base: module names this model lacks
     other = {k.replace("self_attn.q_proj", "attn.c_attn"): v for k, v in weights.items()}
     with pytest.raises(ValueError, match="another base"):
