@@ -19,6 +19,7 @@ from .apply import (
     lora_plus_param_groups,
     merge_and_unload,
     merge_lora,
+    plan_lora,
     trainable_params,
     unmerge_lora,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "lora_plus_param_groups",
     "merge_and_unload",
     "merge_lora",
+    "plan_lora",
     "quantize_nf4",
     "save_adapter",
     "trainable_params",

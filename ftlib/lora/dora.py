@@ -20,7 +20,9 @@ Cost per step: one ``W A^T`` product (out*in*r multiply-adds, the same as runnin
 the base layer on r tokens, done through the base layer itself so an NF4 base is
 handled by its own matmul), plus O((out + in) r^2); extra memory O(out * r) instead
 of O(out * in). ``||W||_o^2`` is computed once per frozen base weight and cached
-(recomputed when the weight's storage, version, device or dtype changes).
+(recomputed when the weight's storage, version, device or dtype changes). For an NF4
+base the ``W A^T`` product dequantizes the weight once more per step (a transient copy
+in the compute dtype, like the forward's own).
 """
 
 from __future__ import annotations

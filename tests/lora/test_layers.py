@@ -219,3 +219,20 @@ def test_dora_under_inference_mode():
         base = nn.Linear(16, 8)
         layer = LoRALinear(base, 2, 4, use_dora=True)
         assert torch.equal(layer(x), base(x))
+
+
+@settings(max_examples=20, deadline=None)
+@given(out_f=st.integers(1, 24), in_f=st.integers(1, 24), r=st.integers(1, 6), use_dora=st.booleans(),
+       use_rslora=st.booleans(), seed=st.integers(0, 2**16))
+def test_merge_unmerge_property(out_f, in_f, r, use_dora, use_rslora, seed):
+    # invariants: forward(merged) == forward(unmerged); unmerge(merge(W)) == W (fp32 rounding)
+    torch.manual_seed(seed)
+    base = nn.Linear(in_f, out_f)
+    w0 = base.weight.detach().clone()
+    layer = _randomize(LoRALinear(base, r, 2 * r, use_dora=use_dora, use_rslora=use_rslora), seed).eval()
+    x = torch.randn(3, in_f)
+    y = layer(x)
+    layer.merge()
+    torch.testing.assert_close(layer(x), y, atol=1e-5, rtol=1e-5)
+    layer.unmerge()
+    torch.testing.assert_close(base.weight, w0, atol=1e-6, rtol=1e-5)

@@ -173,3 +173,15 @@ def test_bad_input():
     codes, absmax = quantize_nf4(torch.randn(4, 4))
     with pytest.raises(ValueError, match="needs 32 code bytes"):
         dequantize_nf4(codes, absmax, (8, 8))
+
+
+def test_backend_choice(monkeypatch):
+    from ftlib.lora.nf4 import nf4_backend
+
+    monkeypatch.setenv("FTLIB_NF4_BACKEND", "cuda-magic")
+    with pytest.raises(ValueError, match="FTLIB_NF4_BACKEND"):
+        nf4_backend(torch.device("cpu"))
+    monkeypatch.setenv("FTLIB_NF4_BACKEND", "torch")
+    assert nf4_backend(torch.device("cuda")) == "torch"
+    monkeypatch.setenv("FTLIB_NF4_BACKEND", "auto")
+    assert nf4_backend(torch.device("cpu")) == "torch"
