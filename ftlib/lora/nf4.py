@@ -31,9 +31,11 @@ second-level scales are identical). The 256-value map is stored with the layer
 by either library dequantizes in the other to exactly the same values.
 
 ``NF4Linear`` is a frozen linear layer holding these tensors as ``requires_grad=False``
-parameters (codes and 8-bit absmax as uint8, scales as fp32, all 1-D): FSDP2's
-``fully_shard`` shards and all-gathers them like any other parameter, which is what
-multi-GPU QLoRA needs. Dequantization uses bitsandbytes on CUDA when installed
+parameters, all 1-D: codes and 8-bit absmax as uint8, fp32 scales stored as their int32
+bit patterns. FSDP2's ``fully_shard`` shards and all-gathers them like any other
+parameter, which is what multi-GPU QLoRA needs, and because none of them is a floating
+point tensor, neither an FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16)`` nor
+``model.to(bfloat16)`` can round the scales (only the bias follows the model's dtype). Dequantization uses bitsandbytes on CUDA when installed
 (``FTLIB_NF4_BACKEND=auto|bnb|torch``), the pure-PyTorch code here elsewhere. The
 matmul recomputes the dequantized weight in backward instead of saving it, so the
 only weight-sized memory is one transient copy in the compute dtype.
@@ -129,6 +131,16 @@ def _nf4_pair_table(device: torch.device) -> torch.Tensor:
         byte = torch.arange(256)
         _PAIR_TABLES[device] = torch.stack([NF4_CODE[byte >> 4], NF4_CODE[byte & 0xF]], dim=1).to(device)
     return _PAIR_TABLES[device]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """fp32 values as an int32 tensor of the same bits (a copy)."""
+    return t.detach().float().contiguous().clone().view(torch.int32)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_bits`: the int32 bit pattern read as fp32 (a view)."""
+    return t.view(torch.float32)
 
 
 def _check_blocksize(blocksize: int) -> None:
@@ -247,16 +259,16 @@ def _dequantize_bnb(layer: NF4Linear, dtype: torch.dtype) -> torch.Tensor:
     code = NF4_CODE.to(layer.codes.device)
     if layer.double_quant:
         state2 = bnbf.QuantState(
-            absmax=layer.absmax2, code=layer.absmax_code,
+            absmax=_f32(layer.absmax2), code=_f32(layer.absmax_code),
             blocksize=_ABSMAX_BLOCKSIZE, dtype=torch.float32,
         )
         state = bnbf.QuantState(
             absmax=layer.absmax, shape=torch.Size(shape), dtype=dtype, blocksize=layer.blocksize,
-            code=code, quant_type="nf4", offset=layer.offset.reshape(()), state2=state2,
+            code=code, quant_type="nf4", offset=_f32(layer.offset).reshape(()), state2=state2,
         )
     else:
         state = bnbf.QuantState(
-            absmax=layer.absmax, shape=torch.Size(shape), dtype=dtype, blocksize=layer.blocksize,
+            absmax=_f32(layer.absmax), shape=torch.Size(shape), dtype=dtype, blocksize=layer.blocksize,
             code=code, quant_type="nf4",
         )
     return bnbf.dequantize_4bit(layer.codes.view(-1, 1), state)
@@ -279,10 +291,11 @@ class _NF4Matmul(torch.autograd.Function):
 class NF4Linear(nn.Module):
     """A frozen ``nn.Linear`` stored in NF4: ``y = x dequant(W)^T + b``.
 
-    Parameters (all ``requires_grad=False``, all shardable by FSDP2):
-    ``codes`` uint8 [ceil(out*in/2)]; ``absmax`` fp32 [nb] (uint8 [nb] with double
-    quantization, then also ``absmax2`` fp32 [ceil(nb/256)], ``offset`` fp32 [1] and
-    the 8-bit map ``absmax_code`` fp32 [256]);
+    Parameters (all ``requires_grad=False``, all shardable by FSDP2; "fp32 bits" means
+    an int32 tensor holding fp32 values bit for bit, read with ``.view(torch.float32)``):
+    ``codes`` uint8 [ceil(out*in/2)]; ``absmax`` fp32 bits [nb] (uint8 [nb] with double
+    quantization, then also ``absmax2`` fp32 bits [ceil(nb/256)], ``offset`` fp32 bits [1]
+    and the 8-bit map ``absmax_code`` fp32 bits [256]);
     ``bias`` in ``compute_dtype`` or None. The matmul runs in the input's dtype (the
     autocast dtype under autocast).
     """
@@ -308,11 +321,11 @@ class NF4Linear(nn.Module):
         self.codes = frozen(torch.full(((n + 1) // 2,), 0x77, dtype=torch.uint8, device=device))
         if double_quant:
             self.absmax = frozen(torch.zeros(nb, dtype=torch.uint8, device=device))
-            self.absmax2 = frozen(torch.zeros(-(-nb // _ABSMAX_BLOCKSIZE), dtype=torch.float32, device=device))
-            self.offset = frozen(torch.zeros(1, dtype=torch.float32, device=device))
-            self.absmax_code = frozen(dynamic_map().clone().to(device))
+            self.absmax2 = frozen(torch.zeros(-(-nb // _ABSMAX_BLOCKSIZE), dtype=torch.int32, device=device))
+            self.offset = frozen(torch.zeros(1, dtype=torch.int32, device=device))
+            self.absmax_code = frozen(_bits(dynamic_map()).to(device))
         else:
-            self.absmax = frozen(torch.zeros(nb, dtype=torch.float32, device=device))
+            self.absmax = frozen(torch.zeros(nb, dtype=torch.int32, device=device))
         self.bias = frozen(torch.zeros(out_features, dtype=compute_dtype, device=device)) if bias else None
 
     @classmethod
@@ -327,9 +340,9 @@ class NF4Linear(nn.Module):
         layer.codes.data = codes
         if double_quant:
             q, absmax2, offset = double_quantize_absmax(absmax)
-            layer.absmax.data, layer.absmax2.data, layer.offset.data = q, absmax2, offset
+            layer.absmax.data, layer.absmax2.data, layer.offset.data = q, _bits(absmax2), _bits(offset)
         else:
-            layer.absmax.data = absmax
+            layer.absmax.data = _bits(absmax)
         if linear.bias is not None:
             layer.bias.data = linear.bias.detach().clone()
         return layer
@@ -344,13 +357,13 @@ class NF4Linear(nn.Module):
         layer = cls(in_f, out_f, bias is not None, blocksize=quant_state.blocksize, double_quant=nested,
                     compute_dtype=quant_state.dtype, device=packed.device)
         layer.codes.data = packed.reshape(-1).view(torch.uint8).clone()
-        layer.absmax.data = quant_state.absmax.clone()
+        layer.absmax.data = quant_state.absmax.clone() if nested else _bits(quant_state.absmax)
         if nested:
             if quant_state.state2.blocksize != _ABSMAX_BLOCKSIZE:
                 raise ValueError(f"from_bnb: nested absmax blocksize {quant_state.state2.blocksize}, expected 256")
-            layer.absmax2.data = quant_state.state2.absmax.float().clone()
-            layer.offset.data = quant_state.offset.float().reshape(1).clone()
-            layer.absmax_code.data = quant_state.state2.code.float().clone()
+            layer.absmax2.data = _bits(quant_state.state2.absmax)
+            layer.offset.data = _bits(quant_state.offset.reshape(1))
+            layer.absmax_code.data = _bits(quant_state.state2.code)
         if bias is not None:
             layer.bias.data = bias.detach().clone()
         return layer
@@ -358,8 +371,8 @@ class NF4Linear(nn.Module):
     def scales(self) -> torch.Tensor:
         """The per-block absmax, fp32 [nb] (undoing double quantization when used)."""
         if self.double_quant:
-            return dequantize_absmax(self.absmax, self.absmax2, self.offset, self.absmax_code)
-        return self.absmax.float()
+            return dequantize_absmax(self.absmax, _f32(self.absmax2), _f32(self.offset), _f32(self.absmax_code))
+        return _f32(self.absmax)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight [out, in] in ``dtype`` (default ``compute_dtype``)."""

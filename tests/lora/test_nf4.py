@@ -160,6 +160,13 @@ def test_to_linear_and_state_dict_round_trip():
     other = NF4Linear(40, 8, double_quant=True)
     other.load_state_dict(layer.state_dict())
     assert torch.equal(other.dequantize(), layer.dequantize())
+    # no floating-point storage: casting the module (or FSDP2 mixed precision) cannot round the scales
+    assert not any(p.is_floating_point() for n, p in layer.named_parameters() if n != "bias")
+    cast = NF4Linear(40, 8, double_quant=True)
+    cast.load_state_dict(layer.state_dict())
+    cast.to(torch.bfloat16)
+    assert torch.equal(cast.dequantize(torch.float32), layer.dequantize(torch.float32))
+    assert cast.bias.dtype == torch.bfloat16
     lin = layer.to_linear(torch.bfloat16)
     assert isinstance(lin, nn.Linear) and lin.weight.dtype == torch.bfloat16
     assert torch.equal(lin.weight, layer.dequantize(torch.float32).to(torch.bfloat16))
