@@ -146,6 +146,13 @@ class LoRAConfig:
             if d.get(key) is None:
                 raise ValueError(f"{source}: missing field {key!r}")
         init = d.get("init_lora_weights", True)
+        if init not in (True, False, "gaussian"):
+            # PiSSA / OLoRA / LoftQ / CorDA ... rewrite the base weights at init: the adapter only fits that
+            # modified base unless PEFT converted it (which saves init_lora_weights=True)
+            raise ValueError(
+                f"{source}: init_lora_weights={init!r} changes the base weights; convert the adapter with PEFT's "
+                "save_pretrained(path_initial_model_for_weight_conversion=...) before loading it on the original base"
+            )
         kw = dict(
             r=d["r"], alpha=d["lora_alpha"], dropout=d.get("lora_dropout") or 0.0,
             target_modules=d["target_modules"], exclude_modules=d.get("exclude_modules"),

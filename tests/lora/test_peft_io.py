@@ -170,6 +170,8 @@ def test_bad_adapters(base, tmp_path):
         load_adapter(copy.deepcopy(base), write("rank", c=dict(conf, r=0)))
     with pytest.raises(ValueError, match="layers_to_transform"):
         load_adapter(copy.deepcopy(base), write("feature", c=dict(conf, layers_to_transform=[0])))
+    with pytest.raises(ValueError, match="changes the base weights"):
+        load_adapter(copy.deepcopy(base), write("pissa", c=dict(conf, init_lora_weights="pissa")))
     with pytest.raises(ValueError, match="peft_type"):
         load_adapter(copy.deepcopy(base), write("type", c=dict(conf, peft_type="IA3")))
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
