@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dora import dora_row_norm, dora_row_norm_direct, row_sq_norm
+from .dora import dora_row_norm, row_sq_norm
 from .nf4 import NF4Linear
 
 __all__ = ["LoRALinear"]
@@ -156,10 +156,10 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def merged_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(``W'`` fp32 [out, in], DoRA norm ``n`` or None) from the unmerged state."""
-        w = self.base_weight(torch.float32) + self.delta_weight()
+        w = self.base_weight(torch.float32) + self.delta_weight()  # W + s B A
         if not self.use_dora:
             return w, None
-        norm = dora_row_norm_direct(self.base_weight(torch.float32), self.lora_A.weight, self.lora_B.weight, self.scaling)
+        norm = torch.linalg.vector_norm(w, dim=1)  # (out,) exact row norms: merging is once, not per step
         return (self.lora_magnitude_vector.float() / norm).view(-1, 1) * w, norm
 
     @torch.no_grad()
