@@ -23,10 +23,10 @@ The 4-bit step mirrors bitsandbytes' CPU kernel operation for operation (multipl
 the reciprocal of absmax for whole blocks, divide for the ragged last one, nearest
 code with ties to the lower index; fp32 throughout), so packed codes and absmax are
 byte-identical. For the 8-bit absmax step ftlib rounds to the exact nearest code
-(what bitsandbytes' CUDA kernel computes); bitsandbytes' CPU C kernel uses an
-approximate binary search that picks the neighbouring code for values within about
-1e-4 of a midpoint, so there a few 8-bit absmax codes differ by one step (offset and
-second-level scales are identical). The 256-value map is stored with the layer
+(bitsandbytes' PyTorch reference op does the same); its CPU C kernel uses an
+approximate binary search that returns a nearby, not the nearest, code for a small
+fraction of values (0.2-0.4% in ftlib's tests), so those few 8-bit absmax codes differ
+(offset and second-level scales are identical). The 256-value map is stored with the layer
 (bitsandbytes' CPU kernel overwrites its first entry with -1.0), so a state quantized
 by either library dequantizes in the other to exactly the same values.
 
