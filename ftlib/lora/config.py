@@ -1,0 +1,171 @@
+"""``LoRAConfig``: what to adapt and how, plus the mapping to PEFT's ``adapter_config.json``.
+
+LoRA (Hu et al., arXiv:2106.09685) adds a low-rank update to a frozen weight,
+``W' = W + s * B A`` with ``A`` [r, in], ``B`` [out, r] and ``s = alpha / r``
+(rsLoRA, Kalajdzievski arXiv:2312.03732: ``s = alpha / sqrt(r)``). DoRA (Liu et al.,
+arXiv:2402.09353) further rescales each output row to a learned magnitude.
+
+Targets follow PEFT's rules so an ``adapter_config.json`` means the same thing here:
+``target_modules`` as a list matches a module whose full name equals an entry or ends
+with ``"." + entry``; as a string it is a regex that must match the full name
+(``re.fullmatch``); the string ``"all-linear"`` means every ``nn.Linear`` except the
+output head. ``rank_pattern`` / ``alpha_pattern`` map a pattern ``p`` to a value for
+modules whose name matches ``(.*\\.)?(p)$``, first matching pattern wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._match import pattern_value
+
+__all__ = ["LoRAConfig"]
+
+# PEFT config fields naming features ftlib does not implement: an adapter that sets any of
+# them to a truthy value is refused instead of being loaded with a different meaning.
+_UNSUPPORTED_PEFT_FIELDS = (
+    "layers_to_transform", "layers_pattern", "layer_replication", "lora_bias", "use_qalora",
+    "trainable_token_indices", "target_parameters", "alora_invocation_tokens", "use_bdlora",
+    "megatron_config", "arrow_config", "fan_in_fan_out",
+)
+
+
+@dataclass
+class LoRAConfig:
+    """Adapter hyper-parameters.
+
+    Attributes:
+        r: rank (> 0).
+        alpha: scale numerator; the update is multiplied by ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
+        dropout: dropout probability on the adapter input, in [0, 1).
+        target_modules: list of module-name suffixes, a full-name regex, or ``"all-linear"``.
+        exclude_modules: list of suffixes or a regex of modules never adapted.
+        rank_pattern / alpha_pattern: per-module overrides ``{pattern: value}``.
+        use_rslora: rank-stabilised scaling ``alpha / sqrt(r)``.
+        use_dora: weight-decomposed adaptation (a magnitude vector per output unit).
+        init: ``"kaiming"`` (A Kaiming-uniform, PEFT's default) or ``"gaussian"`` (A ~ N(0, 1/r^2)); B = 0.
+        modules_to_save: module-name suffixes trained in full (e.g. ``["lm_head"]``).
+        quantize: ``None`` or ``"nf4"``: store base weights in NF4 (QLoRA).
+        quantize_modules: ``"targets"`` (the adapted layers) or ``"all"`` (every ``nn.Linear`` except
+            ``modules_to_save`` and ``quantize_skip``).
+        quantize_skip: module-name suffixes left unquantized with ``quantize_modules="all"``.
+        double_quant: also quantize the NF4 absmax to 8 bits.
+        quant_blocksize: NF4 block size (64 as in QLoRA).
+    """
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    exclude_modules: list[str] | str | None = None
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    use_rslora: bool = False
+    use_dora: bool = False
+    init: str = "kaiming"
+    modules_to_save: list[str] = field(default_factory=list)
+    quantize: str | None = None
+    quantize_modules: str = "targets"
+    quantize_skip: list[str] = field(default_factory=lambda: ["lm_head"])
+    double_quant: bool = False
+    quant_blocksize: int = 64
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, (tuple, set)):
+            self.target_modules = sorted(self.target_modules)
+        self.modules_to_save = list(self.modules_to_save or [])
+        self.rank_pattern = dict(self.rank_pattern or {})
+        self.alpha_pattern = dict(self.alpha_pattern or {})
+        if not isinstance(self.r, int) or self.r <= 0:
+            raise ValueError(f"LoRAConfig.r must be a positive integer, got {self.r!r}")
+        for pat, rv in self.rank_pattern.items():
+            if not isinstance(rv, int) or rv <= 0:
+                raise ValueError(f"LoRAConfig.rank_pattern[{pat!r}] must be a positive integer, got {rv!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRAConfig.alpha must be > 0, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.init not in ("kaiming", "gaussian"):
+            raise ValueError(f"LoRAConfig.init must be 'kaiming' or 'gaussian', got {self.init!r}")
+        if self.quantize not in (None, "nf4"):
+            raise ValueError(f"LoRAConfig.quantize must be None or 'nf4', got {self.quantize!r}")
+        if self.quantize_modules not in ("targets", "all"):
+            raise ValueError(f"LoRAConfig.quantize_modules must be 'targets' or 'all', got {self.quantize_modules!r}")
+        if not self.target_modules:
+            raise ValueError("LoRAConfig.target_modules is empty: name the modules to adapt")
+
+    def rank_for(self, name: str) -> int:
+        """Rank of module ``name`` (``rank_pattern`` override or ``r``)."""
+        return pattern_value(self.rank_pattern, name, self.r)
+
+    def alpha_for(self, name: str) -> float:
+        """Alpha of module ``name`` (``alpha_pattern`` override or ``alpha``)."""
+        return pattern_value(self.alpha_pattern, name, self.alpha)
+
+    # ---- PEFT adapter_config.json ------------------------------------------------------------
+    def to_peft_dict(self, target_modules: list[str] | str, base_model_name_or_path: str | None = None,
+                     task_type: str | None = None) -> dict[str, Any]:
+        """PEFT ``LoraConfig`` fields (``target_modules`` given resolved, as PEFT stores it)."""
+        return {
+            "peft_type": "LORA",
+            "task_type": task_type,
+            "base_model_name_or_path": base_model_name_or_path,
+            "revision": None,
+            "inference_mode": True,
+            "r": self.r,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": target_modules,
+            "exclude_modules": self.exclude_modules,
+            "rank_pattern": dict(self.rank_pattern),
+            "alpha_pattern": dict(self.alpha_pattern),
+            "use_rslora": self.use_rslora,
+            "use_dora": self.use_dora,
+            "init_lora_weights": True if self.init == "kaiming" else "gaussian",
+            "modules_to_save": list(self.modules_to_save) or None,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "lora_bias": False,
+            "layers_to_transform": None,
+            "layers_pattern": None,
+        }
+
+    @classmethod
+    def from_peft_dict(cls, d: dict[str, Any], source: str = "adapter_config.json", **overrides: Any) -> LoRAConfig:
+        """Build a config from PEFT's ``adapter_config.json`` content; unsupported features raise."""
+        if d.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"{source}: peft_type is {d.get('peft_type')!r}; ftlib loads LORA adapters only")
+        if d.get("bias", "none") != "none":
+            raise ValueError(f"{source}: bias={d['bias']!r} is not supported (only 'none')")
+        for key in _UNSUPPORTED_PEFT_FIELDS:
+            if d.get(key):
+                raise ValueError(f"{source}: field {key!r}={d[key]!r} is not supported by ftlib")
+        for key in ("r", "lora_alpha", "target_modules"):
+            if d.get(key) is None:
+                raise ValueError(f"{source}: missing field {key!r}")
+        init = d.get("init_lora_weights", True)
+        if init not in (True, False, "gaussian"):
+            # PiSSA / OLoRA / LoftQ / CorDA ... rewrite the base weights at init: the adapter only fits that
+            # modified base unless PEFT converted it (which saves init_lora_weights=True)
+            raise ValueError(
+                f"{source}: init_lora_weights={init!r} changes the base weights; convert the adapter with PEFT's "
+                "save_pretrained(path_initial_model_for_weight_conversion=...) before loading it on the original base"
+            )
+        kw = dict(
+            r=d["r"], alpha=d["lora_alpha"], dropout=d.get("lora_dropout") or 0.0,
+            target_modules=d["target_modules"], exclude_modules=d.get("exclude_modules"),
+            rank_pattern=d.get("rank_pattern") or {}, alpha_pattern=d.get("alpha_pattern") or {},
+            use_rslora=bool(d.get("use_rslora", False)), use_dora=bool(d.get("use_dora", False)),
+            init="gaussian" if init == "gaussian" else "kaiming",
+            modules_to_save=d.get("modules_to_save") or [],
+        )
+        kw.update(overrides)
+        try:
+            return cls(**kw)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    def replace(self, **changes: Any) -> LoRAConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,229 @@
+"""apply_lora on plain modules: targeting, freezing, gradients, disable, merge, QLoRA, LoRA+."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ftlib.lora import (
+    LoRAConfig,
+    LoRALinear,
+    NF4Linear,
+    apply_lora,
+    count_params,
+    disable_adapters,
+    lora_layers,
+    lora_plus_param_groups,
+    merge_and_unload,
+    merge_lora,
+    trainable_params,
+    unmerge_lora,
+)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.q_proj = nn.Linear(d, d)
+        self.v_proj = nn.Linear(d, d // 2, bias=False)
+        self.o_proj = nn.Linear(d // 2, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + self.o_proj(torch.relu(self.v_proj(self.norm(self.q_proj(x)))))
+
+
+class Toy(nn.Module):
+    def __init__(self, d=64, vocab=11):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([Block(d), Block(d)])
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.lm_head(h)
+
+
+@pytest.fixture
+def toy():
+    torch.manual_seed(0)
+    return Toy()
+
+
+IDS = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+
+
+def _perturb(model):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            layer.lora_B.weight.normal_(0, 0.1)
+            if layer.use_dora:
+                layer.lora_magnitude_vector.mul_(1.1)
+
+
+def test_targets_by_suffix_regex_and_all_linear(toy):
+    m = apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules=["q_proj", "v_proj"]))
+    assert sorted(n for n, _ in lora_layers(m)) == [f"layers.{i}.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")]
+    m = apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules=r"layers\.1\.(q|o)_proj"))
+    assert sorted(n for n, _ in lora_layers(m)) == ["layers.1.o_proj", "layers.1.q_proj"]
+    m = apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules="all-linear"))
+    assert len(list(lora_layers(m))) == 6 and isinstance(m.lm_head, nn.Linear)
+
+
+def test_rank_and_alpha_patterns(toy):
+    cfg = LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"],
+                     rank_pattern={r"layers\.0\.q_proj": 2}, alpha_pattern={"v_proj": 3})
+    m = apply_lora(toy, cfg)
+    layers = dict(lora_layers(m))
+    assert layers["layers.0.q_proj"].r == 2 and layers["layers.1.q_proj"].r == 4
+    assert layers["layers.0.v_proj"].scaling == pytest.approx(3 / 4)
+    assert layers["layers.0.q_proj"].scaling == pytest.approx(8 / 2)
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_init_equals_base_and_merge_round_trip(toy, use_dora):
+    ref = toy(IDS)
+    m = apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules="all-linear", use_dora=use_dora))
+    assert torch.equal(m(IDS), ref)
+    _perturb(m)
+    m.eval()
+    weights = {n: layer.base_layer.weight.detach().clone() for n, layer in lora_layers(m)}
+    y = m(IDS)
+    merge_lora(m)
+    assert torch.allclose(m(IDS), y, atol=1e-5, rtol=0)
+    unmerge_lora(m)
+    for n, layer in lora_layers(m):
+        assert torch.allclose(layer.base_layer.weight, weights[n], atol=1e-6, rtol=1e-6), n
+    assert torch.allclose(m(IDS), y, atol=1e-5, rtol=0)
+
+
+def test_only_adapters_and_modules_to_save_train(toy):
+    m = apply_lora(toy, LoRAConfig(target_modules=["q_proj", "o_proj"], use_dora=True, modules_to_save=["lm_head"]))
+    names = set(trainable_params(m))
+    assert names == {f"layers.{i}.{p}.{t}" for i in (0, 1) for p in ("q_proj", "o_proj")
+                     for t in ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")} | {"lm_head.weight"}
+    opt = torch.optim.AdamW(trainable_params(m).values(), lr=1e-2)
+    m(IDS).float().logsumexp(-1).mean().backward()
+    opt.step()
+    for n, p in m.named_parameters():
+        if n in names:
+            assert p.grad is not None, n
+        else:
+            assert p.grad is None and not p.requires_grad, f"frozen {n} got a gradient"
+    state_ids = {id(p) for p in opt.state}
+    assert state_ids == {id(p) for p in trainable_params(m).values()}
+    c = count_params(m)
+    assert c.trainable == sum(p.numel() for p in trainable_params(m).values())
+    assert c.total == sum(p.numel() for p in m.parameters()) and 0 < c.fraction < 1
+    assert "trainable params" in str(c)
+
+
+def test_disable_adapters(toy):
+    ref = toy(IDS)
+    m = apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules="all-linear", use_dora=True))
+    _perturb(m)
+    y = m(IDS)
+    with disable_adapters(m):
+        assert torch.equal(m(IDS), ref)
+    assert torch.equal(m(IDS), y)
+    merge_lora(m)
+    with pytest.raises(RuntimeError, match="unmerge_lora"):
+        with disable_adapters(m):
+            pass
+
+
+def test_disable_adapters_warns_about_modules_to_save(toy):
+    m = apply_lora(toy, LoRAConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    with pytest.warns(UserWarning, match="modules_to_save"):
+        with disable_adapters(m):
+            pass
+
+
+def test_lora_plus_groups(toy):
+    m = apply_lora(toy, LoRAConfig(target_modules=["q_proj"], use_dora=True, modules_to_save=["lm_head", "norm"]))
+    groups = {g["name"]: g for g in lora_plus_param_groups(m, lr=1e-4, ratio=16, weight_decay=0.1)}
+    assert groups["lora_B"]["lr"] == pytest.approx(1.6e-3) and groups["lora_A"]["lr"] == 1e-4
+    assert groups["no_decay"]["weight_decay"] == 0.0 and groups["lora_A"]["weight_decay"] == 0.1
+    listed = [id(p) for g in groups.values() for p in g["params"]]
+    assert sorted(listed) == sorted(id(p) for p in trainable_params(m).values())
+    torch.optim.AdamW(list(groups.values()))  # accepted by torch optimizers
+    with pytest.raises(ValueError):
+        lora_plus_param_groups(m, lr=1e-4, ratio=0)
+
+
+@pytest.mark.parametrize("quantize_modules", ["targets", "all"])
+def test_qlora(toy, quantize_modules):
+    cfg = LoRAConfig(target_modules=["q_proj", "v_proj"], quantize="nf4", quantize_modules=quantize_modules,
+                     double_quant=True, use_dora=True)
+    m = apply_lora(copy.deepcopy(toy), cfg)
+    kinds = {n: type(mod) for n, mod in m.named_modules()}
+    assert kinds["layers.0.q_proj.base_layer"] is NF4Linear
+    assert kinds["layers.0.o_proj"] is (NF4Linear if quantize_modules == "all" else nn.Linear)
+    assert kinds["lm_head"] is nn.Linear  # skipped by default
+    # the quantized model at init equals the model with dequantized weights
+    deq = copy.deepcopy(m)
+    merge_and_unload(deq, dtype=None)
+    assert not any(isinstance(x, (NF4Linear, LoRALinear)) for x in deq.modules())
+    assert torch.allclose(m(IDS), deq(IDS), atol=1e-5)
+    _perturb(m)
+    loss = m(IDS).pow(2).mean()
+    loss.backward()
+    assert all(p.grad is None for n, p in m.named_parameters() if not p.requires_grad)
+    assert all(p.grad is not None for p in trainable_params(m).values())
+    with pytest.raises(RuntimeError, match="merge_and_unload"):
+        merge_lora(m)
+    y = m(IDS)
+    out = merge_and_unload(m, dtype=torch.float32)
+    assert all(type(x) is not NF4Linear for x in out.modules())
+    assert torch.allclose(out(IDS), y, atol=1e-5)
+
+
+def test_merge_and_unload_default_bf16(toy):
+    m = apply_lora(toy, LoRAConfig(target_modules=["q_proj"]))
+    merge_and_unload(m)
+    assert m.layers[0].q_proj.weight.dtype == torch.bfloat16 and type(m.layers[0].q_proj) is nn.Linear
+
+
+def test_bad_input(toy):
+    with pytest.raises(ValueError, match="matched no module"):
+        apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules=["qkv_proj"]))
+    with pytest.raises(ValueError, match="modules_to_save"):
+        apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules=["q_proj"], modules_to_save=["head"]))
+    with pytest.raises(TypeError, match="only linear"):
+        apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules=["embed"]))
+    for bad in (dict(r=0), dict(r=-2), dict(dropout=1.0), dict(alpha=0), dict(rank_pattern={"q": 0}),
+                dict(init="xavier"), dict(quantize="int8"), dict(target_modules=[])):
+        with pytest.raises(ValueError):
+            LoRAConfig(**bad)
+    m = apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules=["q_proj"]))
+    with pytest.raises(RuntimeError, match="already"):
+        apply_lora(m, LoRAConfig(target_modules=["v_proj"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with disable_adapters(m):  # no modules_to_save: no warning
+            pass
+
+
+@pytest.mark.parametrize("cfg", [
+    LoRAConfig(r=8, alpha=16, target_modules="all-linear"),
+    LoRAConfig(r=8, alpha=16, target_modules="all-linear", use_dora=True, quantize="nf4", double_quant=True),
+], ids=["lora", "qdora"])
+def test_training_reduces_loss(toy, cfg):
+    # a tiny fitting run: adapters alone must be able to fit a fixed batch
+    m = apply_lora(toy, cfg)
+    opt = torch.optim.AdamW(lora_plus_param_groups(m, lr=1e-2, ratio=4))
+    targets = torch.tensor([[2, 3, 4, 5, 6], [7, 8, 9, 10, 1]])
+    losses = []
+    for _ in range(40):
+        loss = nn.functional.cross_entropy(m(IDS).flatten(0, 1), targets.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.3 * losses[0], losses[::8]

@@ -1,0 +1,182 @@
+"""PEFT-format adapters: interoperability with peft both ways, merged export, bad files.
+
+Skipped when transformers / peft are not installed (both are dev extras).
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ftlib.lora import (
+    LoRAConfig,
+    apply_lora,
+    load_adapter,
+    lora_layers,
+    merge_and_unload,
+    save_adapter,
+    trainable_params,
+)
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+VARIANTS = {"lora": {}, "rslora": {"use_rslora": True}, "dora": {"use_dora": True}}
+
+
+@pytest.fixture(scope="module")
+def base():
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+IDS = torch.tensor([[3, 14, 15, 9, 26, 5, 35], [8, 9, 7, 9, 3, 2, 38]])
+
+
+def _logits(model):
+    with torch.no_grad():
+        out = model(input_ids=IDS)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _perturb(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainable_params(model).values():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_ftlib_adapter_loads_in_peft(base, variant, tmp_path):
+    m = copy.deepcopy(base)
+    save = ["lm_head"] if variant == "lora" else []
+    apply_lora(m, LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                             modules_to_save=save, **VARIANTS[variant]))
+    _perturb(m)
+    save_adapter(m, tmp_path, task_type="CAUSAL_LM")
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path).eval()
+    torch.testing.assert_close(_logits(pm), _logits(m), atol=1e-5, rtol=1e-5)
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["use_dora"] == (variant == "dora")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_peft_adapter_loads_in_ftlib(base, variant, tmp_path):
+    pc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "o_proj", "up_proj"], init_lora_weights=False,
+                         rank_pattern={"up_proj": 2} if variant == "lora" else {},
+                         modules_to_save=["lm_head"] if variant == "rslora" else None, **VARIANTS[variant])
+    pm = peft.get_peft_model(copy.deepcopy(base), pc).eval()
+    with torch.no_grad():  # make the trained copy of lm_head differ from the base's
+        for n, p in pm.named_parameters():
+            if "modules_to_save" in n:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
+    pm.save_pretrained(tmp_path)
+    m = load_adapter(copy.deepcopy(base), tmp_path).eval()
+    assert len(list(lora_layers(m))) == 6
+    torch.testing.assert_close(_logits(m), _logits(pm), atol=1e-5, rtol=1e-5)
+
+
+def test_ftlib_round_trip_into_adapted_model(base, tmp_path):
+    cfg = LoRAConfig(r=2, alpha=4, target_modules="all-linear", use_dora=True)
+    m = apply_lora(copy.deepcopy(base), cfg)
+    _perturb(m)
+    save_adapter(m, tmp_path)
+    fresh = apply_lora(copy.deepcopy(base), cfg)
+    load_adapter(fresh, tmp_path)
+    assert torch.equal(_logits(fresh), _logits(m))
+    keys = set(load_file(tmp_path / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.mlp.gate_proj.lora_magnitude_vector" in keys
+    assert all(k.startswith("base_model.model.model.layers.") for k in keys)
+
+
+def test_qlora_adapter_loads_into_nf4_model(base, tmp_path):
+    m = apply_lora(copy.deepcopy(base), LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    _perturb(m)
+    save_adapter(m, tmp_path)
+    q = load_adapter(copy.deepcopy(base), tmp_path, quantize="nf4", double_quant=True)
+    want = merge_and_unload(copy.deepcopy(q), dtype=torch.float32)  # dequantized + merged reference
+    torch.testing.assert_close(_logits(q), _logits(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_merged_export_reloads_in_transformers(base, tmp_path, quantize):
+    m = apply_lora(copy.deepcopy(base), LoRAConfig(r=4, alpha=8, target_modules="all-linear", use_dora=True,
+                                                  quantize=quantize))
+    _perturb(m)
+    if quantize is None:
+        merged = merge_and_unload(m, dtype=torch.float32)
+    else:
+        merged = merge_and_unload(m).to(torch.bfloat16)  # QLoRA -> dequantize, merge, bf16 export
+    assert not any(type(x).__module__.startswith("ftlib") for x in merged.modules())
+    merged.save_pretrained(tmp_path)
+    dtype = torch.float32 if quantize is None else torch.bfloat16
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+    got = dict(reloaded.named_parameters())
+    for name, p in merged.named_parameters():
+        assert torch.equal(got[name], p), name
+    # bf16: ``.to(bfloat16)`` also rounded the rotary inv_freq buffer, which a fresh load keeps in fp32
+    tol = 0 if quantize is None else 2e-2
+    torch.testing.assert_close(_logits(reloaded), _logits(merged), atol=tol, rtol=tol)
+
+
+def test_bad_adapters(base, tmp_path):
+    cfg = LoRAConfig(r=4, alpha=8, target_modules=["q_proj"])
+    src = tmp_path / "good"
+    save_adapter(apply_lora(copy.deepcopy(base), cfg), src)
+    weights = load_file(src / "adapter_model.safetensors")
+    conf = json.loads((src / "adapter_config.json").read_text())
+
+    def write(name, w=weights, c=conf, raw=None):
+        d = tmp_path / name
+        d.mkdir()
+        save_file(w, d / "adapter_model.safetensors")
+        (d / "adapter_config.json").write_text(raw if raw is not None else json.dumps(c))
+        return d
+
+    # shapes that do not fit
+    bad = dict(weights)
+    k = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    bad[k] = torch.zeros(31, 4)
+    plain = copy.deepcopy(base)
+    with pytest.raises(ValueError, match=r"q_proj.lora_B.weight has shape \(31, 4\)"):
+        load_adapter(plain, write("shape", w=bad))
+    assert not list(lora_layers(plain)), "a refused adapter must leave the model untouched"
+    # an adapter for another base: module names this model lacks
+    other = {k.replace("self_attn.q_proj", "attn.c_attn"): v for k, v in weights.items()}
+    with pytest.raises(ValueError, match="another base"):
+        load_adapter(copy.deepcopy(base), write("other", w=other, c=dict(conf, target_modules=["c_attn"])))
+    # extra tensors for modules the model lacks
+    extra = dict(weights, **{"base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32)})
+    with pytest.raises(ValueError, match="another base"):
+        load_adapter(copy.deepcopy(base), write("extra", w=extra))
+    # base name recorded in the config differs from the model's
+    m = copy.deepcopy(base)
+    m.config._name_or_path = "org/llama-a"
+    with pytest.raises(ValueError, match="org/llama-b"):
+        load_adapter(m, write("name", c=dict(conf, base_model_name_or_path="org/llama-b")))
+    # missing tensors, bad json, missing fields, unsupported features, missing files
+    with pytest.raises(ValueError, match="missing adapter tensors"):
+        load_adapter(copy.deepcopy(base), write("missing", w={k: weights[k]}))
+    with pytest.raises(ValueError, match="invalid JSON at line 1"):
+        load_adapter(copy.deepcopy(base), write("json", raw="{not json"))
+    with pytest.raises(ValueError, match="missing field 'r'"):
+        load_adapter(copy.deepcopy(base), write("field", c={k2: v for k2, v in conf.items() if k2 != "r"}))
+    with pytest.raises(ValueError, match="r must be a positive"):
+        load_adapter(copy.deepcopy(base), write("rank", c=dict(conf, r=0)))
+    with pytest.raises(ValueError, match="layers_to_transform"):
+        load_adapter(copy.deepcopy(base), write("feature", c=dict(conf, layers_to_transform=[0])))
+    with pytest.raises(ValueError, match="changes the base weights"):
+        load_adapter(copy.deepcopy(base), write("pissa", c=dict(conf, init_lora_weights="pissa")))
+    with pytest.raises(ValueError, match="peft_type"):
+        load_adapter(copy.deepcopy(base), write("type", c=dict(conf, peft_type="IA3")))
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        load_adapter(copy.deepcopy(base), tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="matched no module"):
+        load_adapter(nn.Sequential(nn.Linear(4, 4)), src)
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        save_adapter(copy.deepcopy(base), tmp_path / "none")
