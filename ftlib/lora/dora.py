@@ -16,6 +16,13 @@ square avoids it:
     <W_o, (B A)_o>    = sum_k B_ok (W A^T)_ok            W A^T: [out, r]
     ||(B A)_o||^2     = B_o (A A^T) B_o^T                A A^T: [r, r]
 
+Cancellation. The expansion sums terms of size up to ``||W||^2 + 2s|<W,BA>| + s^2||BA||^2``
+to get a result that can be much smaller (an update that nearly cancels a row). Its
+relative error is about eps * c with c = (that size) / result, so rows with c > 64 (more
+than ~6 bits lost) are recomputed directly from their own rows of W (``weight_rows``):
+the result then matches the direct norm to a few ulps in every case, at the cost of the
+ill-conditioned rows only (none in ordinary training, where s B A is small next to W).
+
 Cost per step: one ``W A^T`` product (out*in*r multiply-adds, the same as running
 the base layer on r tokens, done through the base layer itself so an NF4 base is
 handled by its own matmul), plus O((out + in) r^2); extra memory O(out * r) instead
@@ -50,6 +57,7 @@ def dora_row_norm(
     lora_A: torch.Tensor,
     lora_B: torch.Tensor,
     scaling: float,
+    weight_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``||W + s B A||_row`` fp32 [out], detached.
 
@@ -57,6 +65,8 @@ def dora_row_norm(
         base_matmul: ``x -> x W^T`` without bias, (r, in) -> (r, out) (the frozen base layer).
         w_sq: ``||W||_row^2`` fp32 [out] (see :func:`row_sq_norm`).
         lora_A: [r, in]; lora_B: [out, r]; scaling: s.
+        weight_rows: ``idx -> W[idx]`` ([k, in]); when given, rows that lost more than ~6 bits to
+            cancellation are recomputed directly (see the module docstring).
     """
     a = lora_A.float()  # (r, in)
     b = lora_B.float()  # (out, r)
@@ -64,7 +74,14 @@ def dora_row_norm(
     cross = (b * wa).sum(dim=1)  # (out,) <W_o, (BA)_o>
     ba_sq = ((b @ (a @ a.t())) * b).sum(dim=1)  # (out,) ||(BA)_o||^2
     sq = w_sq + (2.0 * scaling) * cross + (scaling * scaling) * ba_sq
-    return sq.clamp_min(0.0).sqrt()
+    norm = sq.clamp_min(0.0).sqrt()
+    if weight_rows is not None:
+        size = w_sq + (2.0 * scaling) * cross.abs() + (scaling * scaling) * ba_sq
+        bad = (sq * 64.0 < size).nonzero().flatten()  # (k,) rows with cancellation factor > 64
+        if bad.numel():
+            rows = weight_rows(bad).float() + scaling * (b[bad] @ a)  # (k, in)
+            norm[bad] = torch.linalg.vector_norm(rows, dim=1)
+    return norm
 
 
 @torch.no_grad()

@@ -124,7 +124,14 @@ class LoRALinear(nn.Module):
     def weight_norm(self) -> torch.Tensor:
         """DoRA's ``n = ||W + s B A||_row`` fp32 [out], detached; see ``ftlib.lora.dora`` for the cost."""
         with torch.autocast(self.lora_A.weight.device.type, enabled=False):
-            return dora_row_norm(self._base_matmul, self._w_sq(), self.lora_A.weight, self.lora_B.weight, self.scaling)
+            return dora_row_norm(self._base_matmul, self._w_sq(), self.lora_A.weight, self.lora_B.weight,
+                                 self.scaling, weight_rows=self._base_rows)
+
+    def _base_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows ``W[idx]`` of the base weight (dequantizing an NF4 base whole: a rare fallback)."""
+        if self.is_quantized:
+            return self.base_weight(torch.float32)[idx]
+        return self.base_layer.weight.detach()[idx]
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -236,3 +236,23 @@ def test_merge_unmerge_property(out_f, in_f, r, use_dora, use_rslora, seed):
     torch.testing.assert_close(layer(x), y, atol=1e-5, rtol=1e-5)
     layer.unmerge()
     torch.testing.assert_close(base.weight, w0, atol=1e-6, rtol=1e-5)
+
+
+def test_dora_norm_exact_when_update_nearly_cancels_the_base_row():
+    """Invariant: weight_norm equals the directly materialised fp32 norm (what merge uses) even
+    when rows of W + sBA are ~1e-4 of ||W||, where the expanded square alone loses every digit
+    (its error is ~eps * ||W||^2 / ||W + sBA||^2 ~ 6 in relative terms)."""
+    torch.manual_seed(0)
+    base = nn.Linear(16, 6, bias=False)
+    layer = LoRALinear(base, 4, 8, use_dora=True)
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+        delta = layer.scaling * (layer.lora_B.weight @ layer.lora_A.weight)
+        base.weight.copy_(-delta + 1e-4 * torch.randn_like(delta))
+    want = torch.linalg.vector_norm(base.weight.double() + layer.scaling * (
+        layer.lora_B.weight.double() @ layer.lora_A.weight.double()), dim=1)
+    got = layer.weight_norm()
+    direct = dora_row_norm_direct(base.weight, layer.lora_A.weight, layer.lora_B.weight, layer.scaling)
+    torch.testing.assert_close(got, direct, rtol=1e-6, atol=0)
+    # fp32 itself conditions W + sBA to ~eps * |W| / |W + sBA| ~ 1e-3 relative here.
+    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=0)
