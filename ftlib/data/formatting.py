@@ -236,6 +236,9 @@ class Formatter:
                 report.add("empty_document", where, f"field {c.text_field!r} is empty")
                 return None
             ids = np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+            if len(ids) == 0:
+                report.add("empty_document", where, "text encodes to no tokens")
+                return None
             mask = np.ones(len(ids), dtype=np.uint8)
         else:
             msgs = self._messages(rec, where, report)
@@ -262,9 +265,6 @@ class Formatter:
             ids, mask = np.concatenate([[self.bos_id], ids]), np.concatenate([[0], mask]).astype(np.uint8)
         if self.add_eos:
             ids, mask = np.concatenate([ids, [self.eos_id]]), np.concatenate([mask, [1]]).astype(np.uint8)
-        if len(ids) == 0:
-            report.add("empty_document", where, "no tokens")
-            return None
         truncated = False
         if c.max_length is not None and len(ids) > c.max_length:
             ids, mask = self._truncate(ids, mask)
