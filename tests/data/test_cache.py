@@ -1,5 +1,6 @@
 import json
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -32,6 +33,8 @@ def test_build_matches_formatter_and_is_zero_copy(tmp_path, tokenizer, write_jso
     ids, mask = c[5]
     assert not ids.flags.writeable and not ids.flags.owndata  # a view into the read-only memory map
     assert mask.dtype == np.uint8 and mask.all()
+    c2 = pickle.loads(pickle.dumps(c))  # what DataLoader workers receive under spawn: the path, reopened
+    assert len(pickle.dumps(c)) < 200 and np.array_equal(c2[5][0], ids) and np.array_equal(c2.lengths, c.lengths)
 
 
 def test_multiprocess_build_equals_single_process(tmp_path, tokenizer, write_jsonl):

@@ -49,11 +49,11 @@ def test_ranks_partition_every_epoch(n, batch_size, world, packing, drop_last, e
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.integers(0, 12), st.booleans(), st.booleans())
-def test_resume_from_any_position_yields_exactly_the_rest(k, packing, group):
+@given(st.integers(0, 12), st.booleans(), st.booleans(), st.integers(1, 3))
+def test_resume_from_any_position_yields_exactly_the_rest(k, packing, group, world):
     docs = MemDocs(_lengths(50))
     kw = dict(batch_size=3, pad_id=0, seq_len=32, packing=packing, seed=3, group_by_length=group and not packing,
-              pad_to_multiple_of=8)
+              pad_to_multiple_of=8, rank=world - 1, world_size=world)
     ref = TokenLoader(docs, **kw)
     full = []
     for epoch in range(2):  # two epochs of the user loop
