@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
@@ -59,6 +60,7 @@ BUILTIN_TEMPLATES = {
 }
 _TURN_END = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
 _S0, _S1 = "\ue000", "\ue001"  # private-use code points: assistant content start / end sentinels
+_SENTINELS = re.compile(f"[{_S0}{_S1}]")
 
 
 @lru_cache(maxsize=16)
@@ -201,16 +203,18 @@ class Formatter:
                 for m in msgs
             ]
             text = render_chat(marked, self.cfg.chat_template, **kw)
-            spans, out, pos, start = [], [], 0, None
-            for ch in text:  # strip sentinels, recording the [start, end) of each wrapped content
-                if ch == _S0:
+            # strip the sentinels, recording the [start, end) of each wrapped content
+            parts = _SENTINELS.split(text)
+            seps = _SENTINELS.findall(text)
+            spans, out, pos, start = [], [parts[0]], len(parts[0]), 0
+            for sep, part in zip(seps, parts[1:]):
+                if sep == _S0:
                     start = pos
-                elif ch == _S1:
-                    spans.append((start, pos))
                 else:
-                    out.append(ch)
-                    pos += 1
-            if "".join(out) == plain:
+                    spans.append((start, pos))
+                out.append(part)
+                pos += len(part)
+            if "".join(out) == plain and seps == [_S0, _S1] * len(spans):
                 break
         else:
             raise ValueError(

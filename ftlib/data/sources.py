@@ -15,9 +15,10 @@ Formats
     ``*.txt``                     the whole file is one document: ``{"text": ...}``
     ``*.tar``, ``*.tar.gz``, ``*.tgz``  streamed with ``tarfile`` mode ``r|*`` (never extracted to
                                   disk); members ``.jsonl`` / ``.txt`` as above. A member with
-                                  an absolute path or a ``..`` component is refused.
+                                  an absolute path or a ``..`` component, or a link, is refused.
 
-Errors. Every problem is reported through a :class:`SkipReport`: in strict mode the first one
+Errors. Every problem (malformed JSON, invalid UTF-8, unsafe tar member, unreadable or truncated
+file; missing fields and empty documents are found by the formatter) is reported through a :class:`SkipReport`: in strict mode the first one
 raises :class:`DataError` naming the file, line and reason; in lenient mode the record is
 skipped and counted by reason, with the first few locations kept. Nothing is dropped silently.
 
@@ -38,9 +39,12 @@ import io
 import json
 import os
 import tarfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import pyarrow as pa
 
 __all__ = [
     "DataError",
@@ -219,7 +223,22 @@ def _safe_member(name: str) -> bool:
 
 
 def iter_raw(shard: Shard, report: SkipReport) -> Iterator[RawItem]:
-    """Stream a shard's raw items (undecoded) with their locations; see the module docstring."""
+    """Stream a shard's raw items (undecoded) with their locations; see the module docstring.
+
+    A file that cannot be read to its end (truncated gzip or tar, corrupt Parquet) is reported as
+    ``unreadable_file`` at the last location reached; the items before it are kept.
+    """
+    where = shard.path
+    try:
+        for item in _iter_raw(shard, report):
+            where = item[1]
+            yield item
+    except (OSError, EOFError, zlib.error, tarfile.TarError, pa.ArrowException) as e:
+        report.add("unreadable_file", f"{where} (after this point)" if where != shard.path else where,
+                   f"{type(e).__name__}: {e}")
+
+
+def _iter_raw(shard: Shard, report: SkipReport) -> Iterator[RawItem]:
     path = shard.path
     if shard.kind == "jsonl":
         opener = gzip.open if path.lower().endswith(".gz") else open
@@ -240,9 +259,12 @@ def iter_raw(shard: Shard, report: SkipReport) -> Iterator[RawItem]:
     elif shard.kind == "tar":
         with tarfile.open(path, mode="r|*") as tf:  # stream mode: members are read in order, never extracted
             for member in tf:
+                where = f"{path}!{member.name}"
+                if member.issym() or member.islnk():
+                    report.add("unsafe_tar_member", where, "links inside tar shards are refused")
+                    continue
                 if not member.isfile():
                     continue
-                where = f"{path}!{member.name}"
                 if not _safe_member(member.name):
                     report.add("unsafe_tar_member", where, "absolute path or '..' in member name; refused")
                     continue

@@ -124,3 +124,23 @@ def test_fingerprint_tracks_content_not_mtime(tmp_path):
     b.write_bytes(big[:-1] + b"y")  # last byte changed: inside the sampled tail
     assert shard_fingerprint(str(a)) != shard_fingerprint(str(b))
     assert shard_fingerprint(str(a), full_hash=True).startswith("sha256:")
+
+
+def test_truncated_gzip_and_tar_links(tmp_path, write_jsonl):
+    p = tmp_path / "t.jsonl.gz"
+    with gzip.open(p, "wt") as f:
+        for i in range(2000):
+            f.write(json.dumps({"text": f"doc {i} " + "x" * 50}) + "\n")
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"t\.jsonl\.gz:\d+ \(after this point\): unreadable_file"):
+        _texts(str(p))
+    texts, rep = _texts(str(p), strict=False)
+    assert 0 < len(texts) < 2000 and texts[0] == "doc 0 " + "x" * 50 and rep.counts == {"unreadable_file": 1}
+    t = tmp_path / "l.tar"
+    with tarfile.open(t, "w") as tf:
+        ti = tarfile.TarInfo("link.jsonl")
+        ti.type, ti.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tf.addfile(ti)
+    texts, rep = _texts(str(t), strict=False)
+    assert texts == [] and rep.counts == {"unsafe_tar_member": 1}
