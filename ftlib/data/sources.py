@@ -17,10 +17,11 @@ Formats
                                   disk); members ``.jsonl`` / ``.txt`` as above. A member with
                                   an absolute path or a ``..`` component, or a link, is refused.
 
-Errors. Every problem (malformed JSON, invalid UTF-8, unsafe tar member, unreadable or truncated
-file; missing fields and empty documents are found by the formatter) is reported through a :class:`SkipReport`: in strict mode the first one
-raises :class:`DataError` naming the file, line and reason; in lenient mode the record is
-skipped and counted by reason, with the first few locations kept. Nothing is dropped silently.
+Errors. Every problem (malformed JSON, invalid UTF-8, unsafe tar member, unreadable or
+truncated file; missing fields and empty documents are found by the formatter) is reported
+through a :class:`SkipReport`: in strict mode the first one raises :class:`DataError` naming the
+file, line and reason; in lenient mode the record is skipped and counted by reason, with the
+first few locations kept. Nothing is dropped silently.
 
 Fingerprint. :func:`shard_fingerprint` is the shard's size plus a SHA-256 over its first and
 last MiB and 16 evenly spaced 64 KiB blocks. It costs ~3 MiB of reads per shard whatever the
