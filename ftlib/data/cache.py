@@ -246,9 +246,6 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
                 while pending:
                     handle(pending.popleft().get())
         bar.close()
-    else:
-        for i in range(len(shards)):
-            report.merge(metas[i]["skipped"])
 
     manifest = {
         "version": CACHE_VERSION, "tokenizer_sha256": tok_hash, "format_config": asdict(config),
