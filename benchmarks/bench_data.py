@@ -117,6 +117,15 @@ def timed(fn, *a, **k):
     return r, time.perf_counter() - t
 
 
+def cpu_timed(fn, *a, **k):
+    """(result, wall s, CPU s of this process and of its finished children, e.g. pool workers)."""
+    c0, t = os.times(), time.perf_counter()
+    r = fn(*a, **k)
+    wall, c1 = time.perf_counter() - t, os.times()
+    cpu = sum(c1[i] - c0[i] for i in range(4))  # user, system, children user, children system
+    return r, wall, cpu
+
+
 def best_of(n, fn, *a, **k):
     """Best of n runs (for the sub-second packing timings, which a shared machine makes noisy)."""
     runs = [timed(fn, *a, **k) for _ in range(n)]
@@ -149,9 +158,12 @@ def main():
     print(f"\n[1] tokenization throughput ({args.num_proc} worker processes, {os.cpu_count()} CPUs)")
     cache_dir = os.path.join(args.corpus, "cache")
     shutil.rmtree(cache_dir, ignore_errors=True)
-    cache, t_build = timed(build_cache, src, tok, cfg, cache_dir, num_proc=args.num_proc, progress=False)
+    print(f"  load average before: {os.getloadavg()[0]:.2f} (other processes share the CPUs)")
+    cache, t_build, c_build = cpu_timed(build_cache, src, tok, cfg, cache_dir, num_proc=args.num_proc,
+                                        progress=False)
     n_tok = cache.n_tokens
     report("build_cache tokens/s", n_tok / t_build, "tok/s", f"{n_tok} tokens, {len(cache)} docs, {t_build:.1f}s")
+    report("build_cache tokens per CPU-second", n_tok / c_build, "tok/cpus", f"{c_build:.1f} CPU-s, all processes")
 
     def plain_loop():
         n = 0
@@ -161,10 +173,12 @@ def main():
                     n += len(tok.encode(json.loads(line)["text"], add_special_tokens=False).ids) + 1
         return n
 
-    n_plain, t_plain = timed(plain_loop)
+    n_plain, t_plain, c_plain = cpu_timed(plain_loop)
     assert n_plain == n_tok, (n_plain, n_tok)
     report("single-process loop tokens/s", n_plain / t_plain, "tok/s", f"{t_plain:.1f}s")
-    report("build_cache speedup vs single-process loop", t_plain / t_build, "x")
+    report("single-process loop tokens per CPU-second", n_plain / c_plain, "tok/cpus", f"{c_plain:.1f} CPU-s")
+    report("build_cache speedup vs single-process loop", t_plain / t_build, "x", "wall clock")
+    print(f"  load average after: {os.getloadavg()[0]:.2f}")
     _, t_hit = timed(build_cache, src, tok, cfg, cache_dir, num_proc=args.num_proc, progress=False)
     report("second build (cache hit) time", t_hit, "s")
     try:
