@@ -1,0 +1,84 @@
+"""Command line: pre-tokenize a corpus into an Arrow token cache, or describe a cache.
+
+    python -m ftlib.data build --source data/ --tokenizer tokenizer.json --out cache/ \\
+        --kind chat --chat-template chatml --eos-token "<|im_end|>" --num-proc 8 --lenient
+    python -m ftlib.data info cache/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .cache import build_cache, open_cache
+from .formatting import FormatConfig
+
+
+def _token(s):
+    return int(s) if s is not None and s.isdigit() else s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ftlib.data")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="tokenize sources into a cache directory")
+    b.add_argument("--source", action="append", required=True,
+                   help="file, directory, glob or hf://datasets/owner/name[@rev]; repeatable")
+    b.add_argument("--tokenizer", required=True, help="path to tokenizer.json")
+    b.add_argument("--out", required=True, help="cache directory")
+    b.add_argument("--kind", default="text", choices=["text", "chat", "instruction"])
+    b.add_argument("--text-field", default="text")
+    b.add_argument("--messages-field", default="messages")
+    b.add_argument("--prompt-field", default="prompt")
+    b.add_argument("--response-field", default="response")
+    b.add_argument("--system-field", default=None)
+    b.add_argument("--chat-template", default=None,
+                   help="built-in name (chatml, llama3), a .jinja file, or a tokenizer_config.json")
+    b.add_argument("--loss-on", default="assistant", choices=["assistant", "all"])
+    b.add_argument("--bos-token", default=None)
+    b.add_argument("--eos-token", default=None)
+    b.add_argument("--add-bos", action="store_true")
+    b.add_argument("--no-eos", action="store_true", help="do not append EOS (text kind)")
+    b.add_argument("--max-length", type=int, default=None)
+    b.add_argument("--truncation", default="prompt_left", choices=["prompt_left", "right"])
+    b.add_argument("--num-proc", type=int, default=os.cpu_count() or 1)
+    b.add_argument("--lenient", action="store_true", help="skip and report bad records instead of failing")
+    b.add_argument("--full-hash", action="store_true", help="fingerprint sources by a full SHA-256")
+    b.add_argument("--no-progress", action="store_true")
+    i = sub.add_parser("info", help="verify a cache and print its summary")
+    i.add_argument("cache")
+    i.add_argument("--verify", default="full", choices=["size", "sample", "full"])
+    a = ap.parse_args(argv)
+
+    if a.cmd == "info":
+        c = open_cache(a.cache, verify=a.verify)
+        print(json.dumps({"n_docs": len(c), "n_tokens": c.n_tokens, "dtype": c.dtype.name,
+                          "shards": len(c.manifest["shards"]), "n_truncated": c.n_truncated,
+                          "skipped": c.report.to_dict()}, indent=1))
+        return 0
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(a.tokenizer)
+    template = a.chat_template
+    if template and os.path.isfile(template):
+        with open(template) as f:
+            template = json.load(f)["chat_template"] if template.endswith(".json") else f.read()
+    cfg = FormatConfig(
+        kind=a.kind, text_field=a.text_field, messages_field=a.messages_field, prompt_field=a.prompt_field,
+        response_field=a.response_field, system_field=a.system_field, chat_template=template,
+        loss_on=a.loss_on, bos_token=_token(a.bos_token), eos_token=_token(a.eos_token), add_bos=a.add_bos,
+        add_eos=False if a.no_eos else None, max_length=a.max_length, truncation=a.truncation,
+    )
+    c = build_cache(a.source, tok, cfg, a.out, num_proc=a.num_proc, strict=not a.lenient,
+                    progress=not a.no_progress, full_hash=a.full_hash)
+    print(f"cache {a.out}: {len(c)} documents, {c.n_tokens} tokens ({c.dtype.name}), "
+          f"{c.n_built} of {len(c.manifest['shards'])} shards tokenized, {c.n_truncated} truncated")
+    print(c.report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

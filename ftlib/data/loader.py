@@ -1,0 +1,175 @@
+"""Resumable, rank-aware batch loader over a token cache.
+
+    loader = TokenLoader(cache, batch_size=8, seq_len=2048, pad_id=0, seed=1234)
+    for epoch in range(start_epoch, n_epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:          # dict of tensors, DESIGN.md's batch contract
+            ...
+            ckpt["data"] = loader.state_dict()
+
+Units. With ``packing=True`` a unit is a packed row (``packing.pack`` with best-fit decreasing,
+computed once, since the rows depend only on the lengths); otherwise a unit is a document and
+batches are padded by ``collate.pad_collate`` (optionally length-grouped).
+
+Order. Epoch e's order is a permutation drawn from ``np.random.default_rng([seed, e])`` — the
+same on every rank and every run. It is cut into *global steps* of ``batch_size * world_size``
+units; rank r takes units ``[r * batch_size, (r + 1) * batch_size)`` of each global step. So the
+ranks partition every step without overlap or loss. The tail that does not fill a global step
+is dropped (``drop_last=True``, default, keeps ranks in lock-step; a fresh order each epoch
+drops different units) or split across the ranks in the same way (``drop_last=False``; some
+ranks may then get one short or no final batch).
+
+Workers. Each step of a rank is one item of a map-style dataset, fetched by a
+``torch.utils.data.DataLoader`` (``batch_size=None``) from a sampler over the step indices, so
+``num_workers``, ``pin_memory`` and ``prefetch_factor`` work as usual; DataLoader hands step
+indices to workers round-robin and returns results in index order, so workers never overlap.
+
+Resume. ``state_dict()`` is ``{epoch, step}`` plus the settings that define the order;
+``step`` counts batches already handed to the user (prefetched batches are not counted), so
+``load_state_dict`` followed by iteration yields exactly the batches not yet seen.
+``set_epoch(e)`` with a new epoch starts it at step 0; iterating a finished epoch yields nothing
+and moves the loader to the next epoch, so a loop without ``set_epoch`` also works.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .collate import length_grouped_batches, pad_collate
+from .packing import collate_packed, pack
+
+__all__ = ["TokenLoader"]
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class _StepDataset(torch.utils.data.Dataset):
+    """Item k = the k-th batch of this rank in the current epoch (built in a worker)."""
+
+    def __init__(self, docs, steps, plan, opts):
+        self.docs, self.steps, self.plan, self.opts = docs, steps, plan, opts
+
+    def __len__(self):
+        return len(self.steps)
+
+    def __getitem__(self, k):
+        units = self.steps[k]
+        o = self.opts
+        if self.plan is not None:
+            return collate_packed(self.plan, units, self.docs.__getitem__, o["pad_id"])
+        return pad_collate([self.docs[int(d)] for d in units], o["pad_id"],
+                           pad_to_multiple_of=o["pad_to_multiple_of"], max_length=o["max_length"],
+                           padding_side=o["padding_side"])
+
+
+class TokenLoader:
+    """Iterable of batches; see the module docstring.
+
+    ``docs``: a ``TokenCache`` (or any object with ``lengths`` (n,) and ``docs[i] -> (ids,
+    loss_mask)``, picklable when ``num_workers > 0``). ``seq_len`` is required with packing.
+    ``rank`` / ``world_size`` default to torch.distributed's when it is initialized.
+    """
+
+    def __init__(self, docs, *, batch_size: int, pad_id: int, seq_len: int | None = None, packing: bool = True,
+                 overflow: str = "split", shuffle: bool = True, seed: int = 0, rank: int | None = None,
+                 world_size: int | None = None, drop_last: bool = True, num_workers: int = 0,
+                 pin_memory: bool = False, prefetch_factor: int | None = 2, group_by_length: bool = False,
+                 mega_batch_mult: int = 50, pad_to_multiple_of: int | None = None,
+                 max_length: int | None = None, padding_side: str = "right", pack_backend: str | None = None,
+                 multiprocessing_context=None):
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if packing and not seq_len:
+            raise ValueError("packing=True needs seq_len")
+        if packing and group_by_length:
+            raise ValueError("group_by_length applies to padded batches (packing=False)")
+        r0, w0 = _dist_rank_world()
+        self.rank = r0 if rank is None else rank
+        self.world_size = w0 if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} not in [0, world_size={self.world_size})")
+        self.docs, self.batch_size, self.seed = docs, batch_size, seed
+        self.packing, self.seq_len, self.shuffle, self.drop_last = packing, seq_len, shuffle, drop_last
+        self.group_by_length, self.mega_batch_mult = group_by_length, mega_batch_mult
+        self.num_workers, self.pin_memory, self.prefetch_factor = num_workers, pin_memory, prefetch_factor
+        self.multiprocessing_context = multiprocessing_context
+        self.opts = {"pad_id": pad_id, "pad_to_multiple_of": pad_to_multiple_of, "max_length": max_length,
+                     "padding_side": padding_side}
+        self.lengths = np.asarray(docs.lengths, dtype=np.int64)
+        self.plan = pack(self.lengths, seq_len, overflow, pack_backend) if packing else None
+        self.n_units = self.plan.n_rows if packing else len(self.lengths)
+        self.epoch, self.step = 0, 0
+        self._steps_cache: tuple[int, list] | None = None
+
+    @property
+    def pack_stats(self):
+        return None if self.plan is None else self.plan.stats
+
+    # -- order ------------------------------------------------------------------------------------
+    def _global_steps(self, epoch: int) -> list[np.ndarray]:
+        rng = np.random.default_rng([self.seed, epoch])
+        G = self.batch_size * self.world_size
+        if self.group_by_length:
+            steps = length_grouped_batches(self.lengths, G, rng, self.mega_batch_mult)
+        else:
+            order = rng.permutation(self.n_units) if self.shuffle else np.arange(self.n_units)
+            steps = [order[i : i + G] for i in range(0, self.n_units, G)]
+        if self.drop_last:
+            steps = [s for s in steps if len(s) == G]
+        return steps
+
+    def rank_steps(self, epoch: int | None = None) -> list[np.ndarray]:
+        """Unit ids of each batch this rank yields in ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._steps_cache is None or self._steps_cache[0] != epoch:
+            B, r = self.batch_size, self.rank
+            mine = [s[r * B : (r + 1) * B] for s in self._global_steps(epoch)]
+            self._steps_cache = (epoch, [m for m in mine if len(m)])
+        return self._steps_cache[1]
+
+    def __len__(self) -> int:
+        return len(self.rank_steps())
+
+    # -- state ------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.step = epoch, 0
+
+    def _identity(self) -> dict:
+        return {"seed": self.seed, "n_units": self.n_units, "batch_size": self.batch_size,
+                "world_size": self.world_size, "rank": self.rank, "packing": self.packing,
+                "seq_len": self.seq_len, "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "group_by_length": self.group_by_length}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step": self.step, **self._identity()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in self._identity().items():
+            if k in state and state[k] != v:
+                raise ValueError(f"loader state mismatch on {k!r}: saved {state[k]!r}, this loader has {v!r} "
+                                 "(the data order would differ, so exact resume is impossible)")
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+    # -- iteration --------------------------------------------------------------------------------
+    def __iter__(self):
+        steps = self.rank_steps()
+        if self.step >= len(steps):  # epoch finished: move on to the next
+            self.epoch, self.step = self.epoch + 1, 0
+            return
+        ds = _StepDataset(self.docs, steps, self.plan, self.opts)
+        kw = {}
+        if self.num_workers > 0:
+            kw = {"prefetch_factor": self.prefetch_factor, "multiprocessing_context": self.multiprocessing_context}
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, sampler=range(self.step, len(steps)),
+                                         num_workers=self.num_workers, pin_memory=self.pin_memory, **kw)
+        for batch in dl:
+            self.step += 1  # counted before the user sees it: a checkpoint in the loop body resumes after it
+            yield batch
+        if self.step >= len(steps):
+            self.epoch, self.step = self.epoch + 1, 0

@@ -1,0 +1,145 @@
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from ftlib.data import CacheError, DataError, FormatConfig, Formatter, SkipReport, build_cache, open_cache
+from ftlib.data.__main__ import main as cli
+
+TEXT = FormatConfig(kind="text", eos_token="</s>")
+
+
+def _docs(n, seed=0):
+    words = "hello world the quick brown fox jumps over lazy dog".split()
+    rng = np.random.default_rng(seed)
+    return [{"text": " ".join(rng.choice(words, rng.integers(1, 30)))} for _ in range(n)]
+
+
+def _expected(tok, records, cfg=TEXT):
+    fmt = Formatter(tok, cfg)
+    return [fmt(r, "x", SkipReport()).input_ids.tolist() for r in records]
+
+
+def test_build_matches_formatter_and_is_zero_copy(tmp_path, tokenizer, write_jsonl):
+    recs = _docs(40)
+    (tmp_path / "src").mkdir()
+    write_jsonl(tmp_path / "src" / "a.jsonl", recs)
+    c = build_cache(str(tmp_path / "src"), tokenizer, TEXT, str(tmp_path / "c"), progress=False)
+    assert [c[i][0].tolist() for i in range(len(c))] == _expected(tokenizer, recs)
+    assert c.dtype == np.uint16 and c.n_tokens == int(c.lengths.sum())
+    ids, mask = c[5]
+    assert not ids.flags.writeable and not ids.flags.owndata  # a view into the read-only memory map
+    assert mask.dtype == np.uint8 and mask.all()
+    c2 = pickle.loads(pickle.dumps(c))  # what DataLoader workers receive under spawn: the path, reopened
+    assert len(pickle.dumps(c)) < 200 and np.array_equal(c2[5][0], ids) and np.array_equal(c2.lengths, c.lengths)
+
+
+def test_multiprocess_build_equals_single_process(tmp_path, tokenizer, write_jsonl):
+    src = tmp_path / "src"
+    src.mkdir()
+    for k in range(3):
+        write_jsonl(src / f"{k}.jsonl", _docs(30, seed=k))
+    c1 = build_cache(str(src), tokenizer, TEXT, str(tmp_path / "c1"), progress=False)
+    c2 = build_cache(str(src), tokenizer, TEXT, str(tmp_path / "c2"), num_proc=2, progress=False)
+    assert len(c1) == len(c2) == 90
+    for i in range(90):
+        assert np.array_equal(c1[i][0], c2[i][0]) and np.array_equal(c1[i][1], c2[i][1])
+
+
+def test_cache_hit_and_incremental_shards(tmp_path, tokenizer, write_jsonl):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_jsonl(src / "0.jsonl", _docs(10, 0))
+    out = str(tmp_path / "c")
+    assert build_cache(str(src), tokenizer, TEXT, out, progress=False).n_built == 1
+    assert build_cache(str(src), tokenizer, TEXT, out, progress=False).n_built == 0  # hit
+    write_jsonl(src / "1.jsonl", _docs(7, 1))
+    c = build_cache(str(src), tokenizer, TEXT, out, progress=False)
+    assert c.n_built == 1 and len(c) == 17  # only the new shard was tokenized
+    # other settings are another cache (no stale hit)
+    cfg2 = FormatConfig(kind="text", eos_token="</s>", bos_token="<s>", add_bos=True)
+    c2 = build_cache(str(src), tokenizer, cfg2, out, progress=False)
+    assert c2.n_built == 2 and c2[0][0][0] == tokenizer.token_to_id("<s>")
+
+
+def test_uint32_ids_for_big_vocabularies(tmp_path, write_jsonl):
+    vocab = {f"w{i}": i for i in range(70000)}
+    vocab["[UNK]"] = 70000
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "w1 w69999 w65536"}])
+    c = build_cache(str(tmp_path / "a.jsonl"), tok, FormatConfig(kind="text", add_eos=False),
+                    str(tmp_path / "c"), progress=False)
+    assert c.dtype == np.uint32 and c[0][0].tolist() == [1, 69999, 65536]
+
+
+def test_truncated_or_altered_cache_file_is_detected(tmp_path, tokenizer, write_jsonl):
+    write_jsonl(tmp_path / "a.jsonl", _docs(50))
+    out = str(tmp_path / "c")
+    build_cache(str(tmp_path / "a.jsonl"), tokenizer, TEXT, out, progress=False)
+    (arrow,) = [os.path.join(out, "shards", f) for f in os.listdir(os.path.join(out, "shards")) if f.endswith(".arrow")]
+    data = open(arrow, "rb").read()
+    open(arrow, "wb").write(data[:-100])
+    with pytest.raises(CacheError, match=r"\.arrow: cache file is \d+ bytes, expected"):
+        open_cache(out)
+    altered = bytearray(data)
+    altered[len(data) // 2] ^= 0xFF
+    open(arrow, "wb").write(bytes(altered))
+    with pytest.raises(CacheError, match="SHA-256 mismatch"):
+        open_cache(out, verify="full")
+    with pytest.raises(CacheError, match="hash mismatch"):
+        open_cache(out, verify="sample")  # small file: the sampled hash covers every byte
+    # a rebuild notices the broken shard and redoes it
+    c = build_cache(str(tmp_path / "a.jsonl"), tokenizer, TEXT, out, progress=False)
+    assert c.n_built == 1 and len(open_cache(out, verify="full")) == 50
+
+
+@pytest.mark.parametrize("crash_on", [".arrow", "manifest.json"])
+def test_interrupted_build_never_opens(tmp_path, tokenizer, write_jsonl, monkeypatch, crash_on):
+    write_jsonl(tmp_path / "a.jsonl", _docs(5))
+    real_replace = os.replace
+
+    def crashing_replace(src, dst):  # the process dies between writing a file and renaming it
+        if str(dst).endswith(crash_on):
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crashing_replace)
+    with pytest.raises(KeyboardInterrupt):
+        build_cache(str(tmp_path / "a.jsonl"), tokenizer, TEXT, str(tmp_path / "c"), progress=False)
+    with pytest.raises(CacheError, match="no manifest.json"):
+        open_cache(str(tmp_path / "c"))
+    assert not [f for f in os.listdir(tmp_path / "c" / "shards") if ".tmp-" in f]
+    monkeypatch.setattr(os, "replace", real_replace)
+    c = build_cache(str(tmp_path / "a.jsonl"), tokenizer, TEXT, str(tmp_path / "c"), progress=False)
+    assert c.n_built == (1 if crash_on == ".arrow" else 0) and len(c) == 5
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_strict_and_lenient_builds(tmp_path, tokenizer, num_proc):
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(b'{"text": "hello"}\n{oops\n{"text": ""}\n{"other": 1}\n{"text": "\xc3("}\n{"text": "world"}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: malformed_json"):
+        build_cache(str(p), tokenizer, TEXT, str(tmp_path / "s"), num_proc=num_proc, progress=False)
+    c = build_cache(str(p), tokenizer, TEXT, str(tmp_path / "l"), num_proc=num_proc, strict=False, progress=False)
+    assert len(c) == 2
+    assert c.report.counts == {"malformed_json": 1, "empty_document": 1, "missing_field": 1, "invalid_utf8": 1}
+    assert c.report.examples["missing_field"] == [f"{p}:4: missing_field: field 'text' not in record"]
+    assert open_cache(str(tmp_path / "l")).report.total == 4  # the report is stored with the cache
+
+
+def test_cli_build_and_info(tmp_path, tokenizer, write_jsonl, capsys):
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    write_jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": "hello"}]}, {"bad": 1}])
+    rc = cli(["build", "--source", str(tmp_path / "a.jsonl"), "--tokenizer", str(tmp_path / "tokenizer.json"),
+              "--out", str(tmp_path / "c"), "--kind", "chat", "--chat-template", "chatml", "--num-proc", "1",
+              "--lenient", "--no-progress", "--max-length", "64"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "1 documents" in out and "missing_field: 1" in out
+    assert cli(["info", str(tmp_path / "c")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["n_docs"] == 1 and info["skipped"]["counts"] == {"missing_field": 1}

@@ -1,0 +1,131 @@
+import numpy as np
+import pytest
+
+from ftlib.data import DataError, FormatConfig, Formatter, SkipReport, render_chat
+
+CONV = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "why is the sky blue"},
+    {"role": "assistant", "content": "because of Rayleigh scattering"},
+    {"role": "user", "content": "hello world"},
+    {"role": "assistant", "content": " the quick brown fox\n"},
+]
+CUSTOM = ("{% for message in messages %}{{ '[' + message['role'] + ']' }}{{ message['content'] }}"
+          "{% if message['role'] == 'assistant' %}</s>{% endif %}\n{% endfor %}")
+
+
+def _loss_chars(tok, text, doc):
+    """Set of character positions of `text` covered by tokens that carry loss."""
+    enc = tok.encode(text, add_special_tokens=False)
+    assert enc.ids == doc.input_ids.tolist()  # the doc is exactly the encoding of the rendered text
+    chars = set()
+    for (a, b), m in zip(enc.offsets, doc.loss_mask.tolist()):
+        if m:
+            chars.update(range(a, b))
+    return chars
+
+
+def _expected_chars(text, pieces):
+    """Positions of each (prefix, content+turn_end) found in order in `text`."""
+    chars, pos = set(), 0
+    for prefix, body in pieces:
+        i = text.index(prefix + body, pos) + len(prefix)
+        chars.update(range(i, i + len(body)))
+        pos = i + len(body)
+    return chars
+
+
+@pytest.mark.parametrize("template,prefix,turn_end,strip", [
+    ("chatml", "<|im_start|>assistant\n", "<|im_end|>", False),
+    ("llama3", "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>", True),
+    (CUSTOM, "[assistant]", "</s>", False),
+])
+def test_chat_loss_mask_is_exactly_the_assistant_turns(tokenizer, template, prefix, turn_end, strip):
+    cfg = FormatConfig(kind="chat", chat_template=template, bos_token="<s>", eos_token="</s>")
+    doc = Formatter(tokenizer, cfg)({"messages": CONV}, "x:1", SkipReport())
+    text = render_chat(CONV, template, bos_token="<s>", eos_token="</s>", add_generation_prompt=False)
+    bodies = [(m["content"].strip() if strip else m["content"]) + turn_end for m in CONV if m["role"] == "assistant"]
+    assert _loss_chars(tokenizer, text, doc) == _expected_chars(text, [(prefix, b) for b in bodies])
+    # and read back as text: the loss tokens spell the assistant turns, nothing else
+    decoded = tokenizer.decode([i for i, m in zip(doc.input_ids.tolist(), doc.loss_mask) if m], skip_special_tokens=False)
+    assert decoded == "".join(bodies)
+
+
+def test_loss_on_all_and_instruction_records(tokenizer):
+    cfg = FormatConfig(kind="instruction", chat_template="chatml", prompt_field="q", response_field="a",
+                       system_field="sys")
+    rec = {"sys": "be brief", "q": "hello world", "a": "hi there"}
+    doc = Formatter(tokenizer, cfg)(rec, "x:1", SkipReport())
+    chat = Formatter(tokenizer, FormatConfig(kind="chat", chat_template="chatml"))(
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
+                      {"role": "assistant", "content": "hi there"}]}, "x:1", SkipReport())
+    assert np.array_equal(doc.input_ids, chat.input_ids) and np.array_equal(doc.loss_mask, chat.loss_mask)
+    allcfg = FormatConfig(kind="instruction", chat_template="chatml", prompt_field="q", response_field="a",
+                          system_field="sys", loss_on="all")
+    assert Formatter(tokenizer, allcfg)(rec, "x:1", SkipReport()).loss_mask.all()
+
+
+def test_text_kind_bos_eos(tokenizer):
+    cfg = FormatConfig(kind="text", bos_token="<s>", eos_token="</s>", add_bos=True)
+    doc = Formatter(tokenizer, cfg)({"text": "hello world"}, "x:1", SkipReport())
+    body = tokenizer.encode("hello world", add_special_tokens=False).ids
+    s, e = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
+    assert doc.input_ids.tolist() == [s, *body, e]
+    assert doc.loss_mask.tolist() == [0] + [1] * len(body) + [1]
+    with pytest.raises(ValueError, match="eos_token"):
+        Formatter(tokenizer, FormatConfig(kind="text"))
+    with pytest.raises(ValueError, match="not in the tokenizer vocabulary"):
+        Formatter(tokenizer, FormatConfig(kind="text", eos_token="<nope>"))
+
+
+@pytest.mark.parametrize("rec,reason", [
+    ({"txt": "a"}, "missing_field"),
+    ({"text": "   "}, "empty_document"),
+    ({"text": 3}, "bad_field"),
+])
+def test_bad_text_records(tokenizer, rec, reason):
+    fmt = Formatter(tokenizer, FormatConfig(kind="text", eos_token="</s>"))
+    with pytest.raises(DataError, match=f"f.jsonl:7: {reason}"):
+        fmt(rec, "f.jsonl:7", SkipReport())
+    rep = SkipReport(strict=False)
+    assert fmt(rec, "f.jsonl:7", rep) is None and rep.counts == {reason: 1}
+
+
+@pytest.mark.parametrize("rec,reason", [
+    ({"msgs": []}, "missing_field"),
+    ({"messages": "hi"}, "bad_field"),
+    ({"messages": [{"role": "user"}]}, "bad_field"),
+    ({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": " "}]}, "empty_document"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no_loss_tokens"),
+])
+def test_bad_chat_records(tokenizer, rec, reason):
+    fmt = Formatter(tokenizer, FormatConfig(kind="chat", chat_template="chatml"))
+    rep = SkipReport(strict=False)
+    assert fmt(rec, "c.jsonl:3", rep) is None and rep.counts == {reason: 1}
+    assert rep.examples[reason][0].startswith("c.jsonl:3")
+
+
+def test_truncation_cuts_prompt_from_the_left_first(tokenizer):
+    base = dict(kind="instruction", chat_template="chatml")
+    rec = {"prompt": "the quick brown fox jumps over the lazy dog " * 3, "response": "because of Rayleigh scattering"}
+    full = Formatter(tokenizer, FormatConfig(**base))(rec, "x:1", SkipReport())
+    n_resp = int(full.loss_mask.sum())
+    L = n_resp + 5
+    fmt = Formatter(tokenizer, FormatConfig(**base, max_length=L))
+    doc = fmt(rec, "x:1", SkipReport())
+    assert doc.truncated and len(doc.input_ids) == L and fmt.n_truncated == 1
+    # every response token survives; the prompt kept is the *last* 5 prompt tokens
+    assert np.array_equal(doc.input_ids[doc.loss_mask == 1], full.input_ids[full.loss_mask == 1])
+    assert np.array_equal(doc.input_ids[doc.loss_mask == 0], full.input_ids[full.loss_mask == 0][-5:])
+    # a limit below the response length: prompt gone, response cut on the right
+    short = Formatter(tokenizer, FormatConfig(**base, max_length=3))(rec, "x:1", SkipReport())
+    assert short.loss_mask.all() and np.array_equal(short.input_ids, full.input_ids[full.loss_mask == 1][:3])
+    right = Formatter(tokenizer, FormatConfig(**base, max_length=L, truncation="right"))(rec, "x:1", SkipReport())
+    assert np.array_equal(right.input_ids, full.input_ids[:L])
+
+
+def test_template_is_sandboxed(tokenizer):
+    evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    fmt = Formatter(tokenizer, FormatConfig(kind="chat", chat_template=evil))
+    with pytest.raises(DataError, match="template_error"):
+        fmt({"messages": [{"role": "assistant", "content": "hi"}]}, "x:1", SkipReport())

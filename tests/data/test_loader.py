@@ -1,0 +1,124 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftlib.data import TokenLoader, build_cache
+
+
+class MemDocs:
+    """Documents whose token values are their global token positions (traceable)."""
+
+    def __init__(self, lengths):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths)])
+
+    def __getitem__(self, i):
+        a, b = int(self.starts[i]), int(self.starts[i + 1])
+        return np.arange(a, b) + 1, np.ones(b - a, np.uint8)  # +1: 0 is the pad id
+
+
+def _lengths(n, seed=0):
+    return np.random.default_rng(seed).integers(1, 40, size=n)
+
+
+def _tokens(batches):
+    return [t for b in batches for t in b["input_ids"].ravel().tolist() if t != 0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 60), st.integers(1, 4), st.integers(1, 4), st.booleans(), st.booleans(), st.integers(0, 3))
+def test_ranks_partition_every_epoch(n, batch_size, world, packing, drop_last, epoch):
+    docs = MemDocs(_lengths(n, n))
+    loaders = [TokenLoader(docs, batch_size=batch_size, pad_id=0, seq_len=48, packing=packing, rank=r,
+                           world_size=world, drop_last=drop_last, seed=7) for r in range(world)]
+    units = np.concatenate([np.concatenate(L.rank_steps(epoch) or [np.zeros(0, int)]) for L in loaders])
+    assert len(np.unique(units)) == len(units)  # no unit on two ranks or twice on one
+    n_units = loaders[0].n_units
+    G = batch_size * world
+    assert len(units) == (n_units // G * G if drop_last else n_units)
+    if drop_last:
+        assert len({len(L.rank_steps(epoch)) for L in loaders}) == 1  # ranks stay in lock-step
+    # the batches themselves carry exactly those units' tokens
+    if not packing and not drop_last:
+        for L in loaders:
+            L.set_epoch(epoch)
+        toks = sorted(t for L in loaders for t in _tokens(L))
+        assert toks == list(range(1, int(docs.lengths.sum()) + 1))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 12), st.booleans(), st.booleans(), st.integers(1, 3))
+def test_resume_from_any_position_yields_exactly_the_rest(k, packing, group, world):
+    docs = MemDocs(_lengths(50))
+    kw = dict(batch_size=3, pad_id=0, seq_len=32, packing=packing, seed=3, group_by_length=group and not packing,
+              pad_to_multiple_of=8, rank=world - 1, world_size=world)
+    ref = TokenLoader(docs, **kw)
+    full = []
+    for epoch in range(2):  # two epochs of the user loop
+        ref.set_epoch(epoch)
+        full += [(epoch, b) for b in ref]
+    k = min(k, len(full) - 1)
+    run = TokenLoader(docs, **kw)
+    seen, state = 0, None
+    for epoch in range(2):
+        run.set_epoch(epoch)
+        for _ in run:
+            seen += 1
+            if seen == k:
+                state = run.state_dict()
+                break
+        if state is not None:
+            break
+    resumed = TokenLoader(docs, **kw)
+    if state is not None:
+        resumed.load_state_dict(state)
+    rest = []
+    for epoch in range(state["epoch"] if state else 0, 2):
+        resumed.set_epoch(epoch)
+        rest += [(epoch, b) for b in resumed]
+    assert len(rest) == len(full) - k
+    for (e1, a), (e2, b) in zip(rest, full[k:]):
+        assert e1 == e2 and all(torch.equal(a[key], b[key]) for key in a if key != "max_seqlen")
+
+
+def test_epochs_are_deterministic_and_differ():
+    docs = MemDocs(_lengths(40))
+    a, b = (TokenLoader(docs, batch_size=2, pad_id=0, seq_len=40, seed=1) for _ in range(2))
+    assert [s.tolist() for s in a.rank_steps(0)] == [s.tolist() for s in b.rank_steps(0)]
+    assert [s.tolist() for s in a.rank_steps(0)] != [s.tolist() for s in a.rank_steps(1)]
+    # a loop without set_epoch moves on to the next epoch by itself
+    first, second = list(a), list(a)
+    assert a.epoch == 2 and len(first) == len(second) and not torch.equal(first[0]["input_ids"], second[0]["input_ids"])
+
+
+def test_state_mismatch_is_refused():
+    docs = MemDocs(_lengths(20))
+    s = TokenLoader(docs, batch_size=2, pad_id=0, seq_len=40).state_dict()
+    with pytest.raises(ValueError, match="'batch_size'"):
+        TokenLoader(docs, batch_size=4, pad_id=0, seq_len=40).load_state_dict(s)
+
+
+@pytest.mark.filterwarnings("ignore:.pin_memory. argument is set as true")
+def test_workers_pin_memory_prefetch_match_single_process(tmp_path, tokenizer, write_jsonl):
+    words = "hello world the quick brown fox".split()
+    rng = np.random.default_rng(0)
+    write_jsonl(tmp_path / "a.jsonl", [{"text": " ".join(rng.choice(words, rng.integers(1, 20)))} for _ in range(60)])
+    from ftlib.data import FormatConfig
+
+    cache = build_cache(str(tmp_path / "a.jsonl"), tokenizer, FormatConfig(kind="text", eos_token="</s>"),
+                        str(tmp_path / "c"), progress=False)
+    kw = dict(batch_size=4, pad_id=0, seq_len=32, seed=5, rank=1, world_size=2)
+    ref = list(TokenLoader(cache, **kw))
+    par = TokenLoader(cache, num_workers=2, pin_memory=True, prefetch_factor=2, **kw)
+    it = iter(par)
+    got = [next(it) for _ in range(3)]
+    state = par.state_dict()
+    assert state["step"] == 3  # prefetched batches are not counted as seen
+    resumed = TokenLoader(cache, num_workers=2, **kw)
+    resumed.load_state_dict(state)
+    got += list(resumed)
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert all(torch.equal(a[k], b[k]) for k in a if k != "max_seqlen") and a["max_seqlen"] == b["max_seqlen"]
