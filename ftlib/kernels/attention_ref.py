@@ -52,7 +52,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> No
         raise ValueError(f"attention: varlen q and k must have the same N, got {q.shape[0]} and {k.shape[0]}")
 
 
-def _dense(q, k, v, causal, scale, key_padding_mask):
+def _dense(q, k, v, causal, scale, key_padding_mask, segments=None):
     # q (B, Tq, Hq, D); k, v (B, Tk, Hkv, D)
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -71,6 +71,8 @@ def _dense(q, k, v, causal, scale, key_padding_mask):
                 f"attention: key_padding_mask must be [B, Tk]={(b, tk)}, got {tuple(key_padding_mask.shape)}"
             )
         allowed = allowed & key_padding_mask.bool().view(b, 1, 1, 1, tk)
+    if segments is not None:  # (Tq,) document id per token (Tq == Tk): block-diagonal mask
+        allowed = allowed & (segments.view(tq, 1) == segments.view(1, tk)).view(1, 1, 1, tq, tk)
     s = s.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Tq)
     p = torch.exp(s - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
@@ -116,10 +118,34 @@ def attention_ref(
     o = torch.empty_like(q)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = torch.full((q.shape[1], n), float("-inf"), dtype=cdt, device=q.device)
-    for s, e in zip(cu, cu[1:]):
-        if e == s:
-            continue
-        od, ld = _dense(q[None, s:e], k[None, s:e], v[None, s:e], causal, scale, None)
+    for s, e, seg in _groups(cu, q.device):
+        od, ld = _dense(q[None, s:e], k[None, s:e], v[None, s:e], causal, scale, None, seg)
         o[s:e] = od[0]
         lse[:, s:e] = ld[0]
     return (o, lse) if return_lse else o
+
+
+_GROUP_TOKENS = 512  # short documents are batched into one block-diagonal tile of up to this size
+
+
+def _groups(cu: list[int], device):
+    """Runs of consecutive documents of <= _GROUP_TOKENS tokens in all (a longer document alone).
+
+    Yields (start, end, segments) with segments (end - start,) the document index of each token,
+    or None for a single document. Packs of many short documents then cost a few dense tiles
+    instead of one Python-level attention call per document; the result is the same because the
+    mask keeps every query inside its own document.
+    """
+    i, n_docs = 0, len(cu) - 1
+    while i < n_docs:
+        j = i + 1
+        while j < n_docs and cu[j + 1] - cu[i] <= _GROUP_TOKENS:
+            j += 1
+        s, e = cu[i], cu[j]
+        if e > s:
+            if j - i == 1:
+                yield s, e, None
+            else:
+                lens = torch.tensor([cu[d + 1] - cu[d] for d in range(i, j)], device=device)
+                yield s, e, torch.repeat_interleave(torch.arange(j - i, device=device), lens)
+        i = j
