@@ -122,3 +122,27 @@ def test_workers_pin_memory_prefetch_match_single_process(tmp_path, tokenizer, w
     assert len(got) == len(ref)
     for a, b in zip(got, ref):
         assert all(torch.equal(a[k], b[k]) for k in a if k != "max_seqlen") and a["max_seqlen"] == b["max_seqlen"]
+
+
+def test_chat_cache_to_packed_batches_end_to_end(tmp_path, tokenizer, write_jsonl):
+    """Labels of a packed batch are exactly the assistant turns (+ turn end) of each conversation."""
+    from ftlib.data import FormatConfig
+
+    recs = [{"messages": [{"role": "user", "content": f"why {'is the sky blue ' * (i % 3 + 1)}"},
+                          {"role": "assistant", "content": "because of Rayleigh scattering" + " hi" * i}]}
+            for i in range(12)]
+    write_jsonl(tmp_path / "chat.jsonl", recs)
+    cache = build_cache(str(tmp_path / "chat.jsonl"), tokenizer, FormatConfig(kind="chat", chat_template="chatml"),
+                        str(tmp_path / "c"), progress=False)
+    assert cache.lengths.max() <= 128  # no document is split, so every label survives
+    loader = TokenLoader(cache, batch_size=2, seq_len=128, pad_id=0, seed=0, drop_last=False)
+    got = []
+    for batch in loader:
+        labels = batch["labels"].ravel()
+        cu = batch["cu_seqlens"].tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            lab = labels[a:b]
+            if (lab != -100).any():
+                got.append(tokenizer.decode(lab[lab != -100].tolist(), skip_special_tokens=False))
+    want = ["because of Rayleigh scattering" + " hi" * i + "<|im_end|>" for i in range(12)]
+    assert sorted(got) == sorted(want)
