@@ -42,8 +42,11 @@ import torch
 
 __all__ = ["PackPlan", "PackStats", "pack", "bfd_assign", "collate_packed", "cpp_available"]
 
-_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                     "csrc", "bfd_pack.cpp")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# A source checkout has <repo>/csrc; an installed wheel carries the same files as ftlib/_csrc.
+_CSRC = next((p for p in (os.path.join(os.path.dirname(os.path.dirname(_HERE)), "csrc", "bfd_pack.cpp"),
+                          os.path.join(os.path.dirname(_HERE), "_csrc", "bfd_pack.cpp")) if os.path.exists(p)),
+             os.path.join(os.path.dirname(os.path.dirname(_HERE)), "csrc", "bfd_pack.cpp"))
 _LIB: list = []  # [ctypes function or None] once tried
 
 

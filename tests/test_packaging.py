@@ -1,0 +1,27 @@
+"""The wheel's explicit package list stays in step with the source tree, and imports stay lazy."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_subpackage_and_csrc_ship_in_the_wheel():
+    tomllib = pytest.importorskip("tomllib")
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "ftlib").rglob("__init__.py")}
+    assert on_disk | {"ftlib._csrc"} == set(cfg["packages"])
+    assert cfg["package-dir"]["ftlib._csrc"] == "csrc"
+    assert (ROOT / "csrc" / "bfd_pack.cpp").is_file()
+
+
+def test_import_ftlib_pulls_in_no_optional_dependency():
+    code = ("import sys, ftlib, ftlib.models, ftlib.data, ftlib.lora, ftlib.optim, ftlib.clip, ftlib.sched, "
+            "ftlib.losses, ftlib.kernels; "
+            "bad = [m for m in ('triton', 'flash_attn', 'bitsandbytes', 'transformers', 'peft', 'datasets') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
