@@ -39,10 +39,10 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 
 import numpy as np
 
+from .._jinja import compile_template
 from .sources import SkipReport
 
 __all__ = ["FormatConfig", "FormattedDoc", "Formatter", "render_chat", "BUILTIN_TEMPLATES"]
@@ -63,23 +63,10 @@ _S0, _S1 = "\ue000", "\ue001"  # private-use code points: assistant content star
 _SENTINELS = re.compile(f"[{_S0}{_S1}]")
 
 
-@lru_cache(maxsize=16)
-def _compile(template: str):
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-
-    def raise_exception(msg):
-        raise ValueError(f"chat template: {msg}")
-
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
-
-
 def render_chat(messages: list[dict], template: str, **kwargs) -> str:
     """Render ``messages`` with a Jinja chat template (built-in name or template text)."""
     template = BUILTIN_TEMPLATES.get(template, template)
-    return _compile(template).render(messages=messages, **kwargs)
+    return compile_template(template).render(messages=messages, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from .._jinja import compile_template
 
 __all__ = ["PretrainedTokenizer", "load_tokenizer", "resolve_model_dir", "render_chat_template"]
 
@@ -78,41 +79,10 @@ def _token_text(value: Any, path: Path, key: str) -> str | None:
     raise ValueError(f"{path}: {key} must be a string or an object with 'content', got {value!r}")
 
 
-def _compile(template: str):
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        # {% generation %}...{% endgeneration %} marks assistant text for HF's mask tracking; render the body.
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
-
-
 def render_chat_template(template: str, messages: list[dict], *, add_generation_prompt: bool = False,
                          **variables: Any) -> str:
     """Render a chat template (sandboxed) with ``messages`` and extra template variables."""
-    return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+    return compile_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
 
 class PretrainedTokenizer:
@@ -149,7 +119,7 @@ class PretrainedTokenizer:
         if self.chat_template is None:
             raise ValueError(f"{self.source}: the tokenizer has no chat_template")
         if self._template is None:
-            self._template = _compile(self.chat_template)
+            self._template = compile_template(self.chat_template)
         specials = {k: getattr(self, k) for k in _SPECIAL}
         return self._template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **{**specials, **variables}
