@@ -238,27 +238,15 @@ def merge_and_unload(model: nn.Module, dtype: torch.dtype | None = torch.bfloat1
 def lora_plus_param_groups(
     model: nn.Module, lr: float, ratio: float = 16.0, weight_decay: float = 0.0
 ) -> list[dict[str, Any]]:
-    """Optimizer parameter groups for LoRA+.
+    """Optimizer parameter groups for LoRA+ (Hayou et al. 2024): ``lora_B`` at ``lr * ratio``.
 
-    Groups (empty ones omitted), each a dict with ``params``, ``lr``, ``weight_decay`` and ``name``:
-    ``lora_A`` (lr), ``lora_B`` (lr * ratio), ``modules_to_save`` (lr, 2-D+ tensors) all with
-    ``weight_decay``; ``no_decay`` (lr, weight decay 0) for DoRA magnitudes and 1-D trainable
-    tensors (biases, norms). Pass the list to any ``torch.optim`` optimizer.
+    A shorthand for ``ftlib.optim.param_groups(model, lr=lr, weight_decay=weight_decay,
+    lora_plus_ratio=ratio)``: every trainable parameter once; no weight decay for DoRA
+    magnitudes, biases and norms; each group lists its ``param_names``. Pass the list to any
+    ``torch.optim`` optimizer.
     """
-    if ratio <= 0 or lr <= 0:
-        raise ValueError(f"lora_plus_param_groups: lr and ratio must be > 0, got lr={lr}, ratio={ratio}")
-    groups: dict[str, list[nn.Parameter]] = {"lora_A": [], "lora_B": [], "modules_to_save": [], "no_decay": []}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if name.endswith("lora_A.weight"):
-            groups["lora_A"].append(p)
-        elif name.endswith("lora_B.weight"):
-            groups["lora_B"].append(p)
-        elif name.endswith("lora_magnitude_vector") or p.ndim < 2:
-            groups["no_decay"].append(p)
-        else:
-            groups["modules_to_save"].append(p)
-    spec = {"lora_A": (lr, weight_decay), "lora_B": (lr * ratio, weight_decay),
-            "modules_to_save": (lr, weight_decay), "no_decay": (lr, 0.0)}
-    return [{"params": ps, "lr": spec[k][0], "weight_decay": spec[k][1], "name": k} for k, ps in groups.items() if ps]
+    from ftlib.optim import param_groups
+
+    if not lr > 0:
+        raise ValueError(f"lora_plus_param_groups: lr must be > 0, got {lr}")
+    return param_groups(model, lr=lr, weight_decay=weight_decay, lora_plus_ratio=ratio)

@@ -147,12 +147,15 @@ def test_disable_adapters_warns_about_modules_to_save(toy):
 
 def test_lora_plus_groups(toy):
     m = apply_lora(toy, LoRAConfig(target_modules=["q_proj"], use_dora=True, modules_to_save=["lm_head", "norm"]))
-    groups = {g["name"]: g for g in lora_plus_param_groups(m, lr=1e-4, ratio=16, weight_decay=0.1)}
-    assert groups["lora_B"]["lr"] == pytest.approx(1.6e-3) and groups["lora_A"]["lr"] == 1e-4
-    assert groups["no_decay"]["weight_decay"] == 0.0 and groups["lora_A"]["weight_decay"] == 0.1
-    listed = [id(p) for g in groups.values() for p in g["params"]]
-    assert sorted(listed) == sorted(id(p) for p in trainable_params(m).values())
-    torch.optim.AdamW(list(groups.values()))  # accepted by torch optimizers
+    groups = lora_plus_param_groups(m, lr=1e-4, ratio=16, weight_decay=0.1)
+    setting = {n: (g["lr"], g["weight_decay"]) for g in groups for n in g["param_names"]}
+    assert sorted(setting) == sorted(trainable_params(m))  # every trainable parameter exactly once
+    for name, (lr, wd) in setting.items():
+        want_lr = 1.6e-3 if "lora_B" in name else 1e-4
+        want_wd = 0.0 if ("lora_magnitude_vector" in name or "norm" in name) else 0.1
+        assert (lr, wd) == (pytest.approx(want_lr), want_wd), name
+    assert any("lora_B" in n for n in setting) and any("lora_magnitude_vector" in n for n in setting)
+    torch.optim.AdamW(groups)  # accepted by torch optimizers
     with pytest.raises(ValueError):
         lora_plus_param_groups(m, lr=1e-4, ratio=0)
 
