@@ -150,11 +150,12 @@ def main(argv=None):
                          seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda")
     log(f"data: {len(cache)} documents, {len(loader)} micro-batches/epoch/rank, packing {loader.pack_stats}")
 
-    # 4. optimizer (token-weighted accumulation), clipper, schedule.
-    train_model = model
+    # 4. optimizer (token-weighted accumulation), clipper, schedule. The loss module is what DDP
+    # wraps: its forward must run through DDP for gradients to be averaged across ranks.
+    train_model = CausalLMLoss(model)
     if world > 1:
         train_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            train_model, device_ids=[device.index] if device.type == "cuda" else None)
     groups = param_groups(model, lr=args.lr, weight_decay=args.weight_decay, lora_plus_ratio=args.lora_plus)
     opt = TrainOptimizer(make_adamw(groups, lr=args.lr, weight_decay=args.weight_decay), precision=precision)
     clipper = GlobalNormClipper(args.clip)
@@ -171,7 +172,6 @@ def main(argv=None):
     else:
         schedule = WarmupDecay(total=total, warmup=warmup, decay=args.schedule, min_lr_ratio=0.1)
     sched = LRScheduler(opt.optimizer, schedule)
-    lm_head_w = model.lm_head.weight
 
     # 5. the loop.
     step, t0, tokens_seen, logs = 0, time.perf_counter(), 0, []
@@ -189,9 +189,7 @@ def main(argv=None):
                 sync = opt.grad_sync(train_model, enabled=last) if world > 1 else nullcontext()
                 with sync:
                     with opt.autocast():
-                        hidden = train_model.module.model(**_model_inputs(batch)) if world > 1 \
-                            else model.model(**_model_inputs(batch))
-                        loss_sum, n_tok = chunked_cross_entropy(hidden, lm_head_w, batch["labels"])
+                        loss_sum, n_tok = train_model(batch)
                     opt.backward(loss_sum, n_tok)
             res = opt.step(clipper)
             sched.step(1, loss=res.loss)
@@ -228,10 +226,18 @@ def main(argv=None):
     return model, logs
 
 
-def _model_inputs(batch):
-    """The packed-batch fields the model takes (DESIGN.md batch contract)."""
-    keys = ("input_ids", "position_ids", "cu_seqlens", "max_seqlen", "attention_mask")
-    return {k: batch[k] for k in keys if k in batch}
+class CausalLMLoss(torch.nn.Module):
+    """batch -> (summed token loss, target-token count), without materialising [B, T, V] logits."""
+
+    KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # DESIGN.md batch contract
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch):
+        hidden = self.model.model(batch["input_ids"], **{k: batch[k] for k in self.KEYS if k in batch})
+        return chunked_cross_entropy(hidden, self.model.lm_head.weight, batch["labels"])
 
 
 @torch.no_grad()
