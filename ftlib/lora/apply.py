@@ -145,7 +145,12 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
                     or matches_any(name, config.quantize_skip)):
                 continue
             _set_module(model, name, NF4Linear.from_linear(mod, **qkw))
-    for name, mod in targets:
+    n_targets = len(targets)
+    targets.reverse()
+    while targets:
+        # pop: once swapped out, a full-precision weight must be unreachable, so quantizing an 8B
+        # model peaks at the model plus one layer, not the model plus its whole NF4 copy
+        name, mod = targets.pop()
         base = NF4Linear.from_linear(mod, **qkw) if (quantize and isinstance(mod, nn.Linear)) else mod
         layer = LoRALinear(
             base, config.rank_for(name), config.alpha_for(name), config.dropout,
@@ -158,7 +163,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
                 p.requires_grad_(True)
     object.__setattr__(model, _CONFIG_ATTR, config)
     if verbose:
-        log.info("apply_lora: %d layers adapted; %s", len(targets), count_params(model))
+        log.info("apply_lora: %d layers adapted; %s", n_targets, count_params(model))
     return model
 
 

@@ -227,3 +227,28 @@ def test_training_reduces_loss(toy, cfg):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.3 * losses[0], losses[::8]
+
+
+def test_qlora_frees_each_full_precision_weight_as_it_goes(monkeypatch):
+    """Invariant (memory at 8B scale): while apply_lora quantizes target k, the full-precision
+    weights of targets 0..k-1 are already unreachable, so the peak is one model plus one layer,
+    not the full-precision model plus its NF4 copy."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = Toy()
+    seen: list[weakref.ref] = []
+    alive_at_call: list[int] = []
+    real = NF4Linear.from_linear.__func__
+
+    def spy(cls, linear, **kw):
+        gc.collect()
+        alive_at_call.append(sum(r() is not None for r in seen))
+        seen.append(weakref.ref(linear.weight))
+        return real(cls, linear, **kw)
+
+    monkeypatch.setattr(NF4Linear, "from_linear", classmethod(spy))
+    apply_lora(model, LoRAConfig(target_modules=["q_proj", "v_proj", "o_proj"], quantize="nf4"))
+    assert len(alive_at_call) == 6
+    assert alive_at_call == [0] * 6, alive_at_call
