@@ -231,10 +231,12 @@ def merge_and_unload(model: nn.Module, dtype: torch.dtype | None = torch.bfloat1
     The merge is computed in fp32 from the unmerged (dequantized) base. Other parameters keep
     their dtype. The result has no ftlib-specific modules, ready for ``save_pretrained``.
     """
-    for name, layer in list(lora_layers(model)):
-        _set_module(model, name, layer.to_linear(dtype))
-    for name, mod in [(n, m) for n, m in model.named_modules() if isinstance(m, NF4Linear)]:
-        _set_module(model, name, mod.to_linear(dtype))
+    # by name, one module at a time: a replaced layer must be unreachable before the next merged
+    # weight is built, or a bf16 model would briefly be held twice
+    for name in [n for n, _ in lora_layers(model)]:
+        _set_module(model, name, model.get_submodule(name).to_linear(dtype))
+    for name in [n for n, m in model.named_modules() if isinstance(m, NF4Linear)]:
+        _set_module(model, name, model.get_submodule(name).to_linear(dtype))
     if getattr(model, _CONFIG_ATTR, None) is not None:
         object.__delattr__(model, _CONFIG_ATTR)
     return model

@@ -252,3 +252,27 @@ def test_qlora_frees_each_full_precision_weight_as_it_goes(monkeypatch):
     apply_lora(model, LoRAConfig(target_modules=["q_proj", "v_proj", "o_proj"], quantize="nf4"))
     assert len(alive_at_call) == 6
     assert alive_at_call == [0] * 6, alive_at_call
+
+
+def test_merge_and_unload_frees_each_replaced_layer(monkeypatch):
+    """Invariant (memory at 8B scale): while merge_and_unload builds layer k's merged weight, the
+    base weights of layers 0..k-1 are unreachable, so exporting a bf16 model peaks near one model,
+    not two."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = apply_lora(Toy(), LoRAConfig(target_modules=["q_proj", "v_proj", "o_proj"], use_dora=True))
+    seen: list[weakref.ref] = []
+    alive_at_call: list[int] = []
+    real = LoRALinear.to_linear
+
+    def spy(self, dtype=None):
+        gc.collect()
+        alive_at_call.append(sum(r() is not None for r in seen))
+        seen.append(weakref.ref(self.base_layer.weight))
+        return real(self, dtype)
+
+    monkeypatch.setattr(LoRALinear, "to_linear", spy)
+    merge_and_unload(model, dtype=torch.float32)
+    assert alive_at_call == [0] * 6, alive_at_call
