@@ -277,6 +277,8 @@ class LRScheduler:
         for g, lr in zip(optimizer.param_groups, self.base_lrs):
             g["initial_lr"] = lr
         self.progress = float(progress)
+        if not (math.isfinite(self.progress) and self.progress >= 0):
+            raise ValueError(f"progress must be finite and >= 0, got {progress}")
         self._apply()
 
     def factor(self) -> float:
@@ -288,6 +290,8 @@ class LRScheduler:
             g["lr"] = lr * f
 
     def step(self, amount: float = 1.0, loss: float | None = None) -> None:
+        if not math.isfinite(amount):  # NaN would make every later LR NaN
+            raise ValueError(f"amount must be finite, got {amount}")
         if amount < 0:
             raise ValueError(f"progress can only move forward, got amount={amount}")
         self.progress += float(amount)

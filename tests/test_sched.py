@@ -283,6 +283,14 @@ def test_bad_schedule_input_raises():
         LRScheduler(opt, WarmupDecay(10))
     with pytest.raises(ValueError, match="forward"):
         LRScheduler(torch.optim.SGD([p], lr=0.1), WarmupDecay(10)).step(amount=-1)
+    # a NaN/inf amount (e.g. a token count read from a broken tensor) would make every later LR NaN
+    sched = LRScheduler(torch.optim.SGD([p], lr=0.1), WarmupDecay(10))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            sched.step(amount=bad)
+    assert sched.progress == 0.0 and sched.get_last_lr() == [0.1]
+    with pytest.raises(ValueError, match="finite"):
+        LRScheduler(torch.optim.SGD([p], lr=0.1), WarmupDecay(10), progress=float("nan"))
 
 
 def test_plateau_hybrid_cap_holds_without_observations():
