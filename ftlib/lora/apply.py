@@ -132,11 +132,9 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
         raise RuntimeError("apply_lora: model already has LoRA adapters (one adapter per model)")
     config, targets, save_names = plan_lora(model, config)
 
-    for p in model.parameters():
-        p.requires_grad_(False)
-
     quantize = config.quantize == "nf4"
     qkw = dict(blocksize=config.quant_blocksize, double_quant=config.double_quant)
+    others: list[str] = []  # non-target linears quantized with quantize_modules="all"
     if quantize and config.quantize_modules == "all":
         target_set = {n for n, _ in targets}
         for name in _linear_names(model):
@@ -144,7 +142,19 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
             if (name in target_set or not isinstance(mod, nn.Linear) or in_modules_to_save(name, config.modules_to_save)
                     or matches_any(name, config.quantize_skip)):
                 continue
-            _set_module(model, name, NF4Linear.from_linear(mod, **qkw))
+            others.append(name)
+    if quantize:
+        # checked before anything changes: NF4 would spread a NaN/Inf over its whole block, and a
+        # failure half-way would leave a half-converted model
+        for name in others + [n for n, m in targets if isinstance(m, nn.Linear)]:
+            w = model.get_submodule(name).weight
+            if not bool(torch.isfinite(w).all()):
+                raise ValueError(f"apply_lora: {name}.weight has non-finite values; cannot quantize it to NF4")
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name in others:
+        _set_module(model, name, NF4Linear.from_linear(model.get_submodule(name), **qkw))
     n_targets = len(targets)
     targets.reverse()
     while targets:

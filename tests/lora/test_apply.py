@@ -276,3 +276,10 @@ def test_merge_and_unload_frees_each_replaced_layer(monkeypatch):
     monkeypatch.setattr(LoRALinear, "to_linear", spy)
     merge_and_unload(model, dtype=torch.float32)
     assert alive_at_call == [0] * 6, alive_at_call
+
+
+def test_qlora_names_the_layer_with_a_non_finite_weight(toy):
+    with torch.no_grad():
+        toy.layers[1].v_proj.weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="layers.1.v_proj.*non-finite"):
+        apply_lora(toy, LoRAConfig(target_modules=["q_proj", "v_proj"], quantize="nf4"))
