@@ -73,8 +73,9 @@ class _ChunkedCE(torch.autograd.Function):
         total = torch.zeros((), dtype=acc, device=h.device)
         # autocast off: backward recomputes the logits in the inputs' dtype, forward must match
         with torch.autocast(device_type=h.device.type, enabled=False):
+            w_t = weight.to(dtype).t()  # (H, V): converted once, not per chunk (a [V, H] copy each)
             for s in range(0, h.shape[0], chunk_size):
-                z = (h[s : s + chunk_size].to(dtype) @ weight.to(dtype).t()).to(acc)  # (C, V)
+                z = (h[s : s + chunk_size].to(dtype) @ w_t).to(acc)  # (C, V)
                 lse_c = torch.logsumexp(z, dim=-1)
                 lse[s : s + chunk_size] = lse_c
                 total += (lse_c - z.gather(1, y[s : s + chunk_size, None]).squeeze(1)).sum()

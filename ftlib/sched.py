@@ -24,7 +24,8 @@ Stateful schedules (``observe(loss, t)`` feeds them the training loss; ``state_d
 
 - :class:`PlateauCosine`: warmup, hold at 1 until the training loss plateaus — the range
   max - min of the last ``window`` losses is below ``threshold`` for ``patience`` consecutive
-  checks — or t reaches ``cap``; the decay then starts at that t and is a cosine to r at T.
+  checks — or t reaches ``cap`` (with or without observed losses); the decay then starts at
+  that t and is a cosine to r at T.
 - :class:`ReduceOnPlateau`: multiply the factor by ``factor`` when a metric has not improved
   (relative ``threshold``) for ``patience`` observations, with a cooldown; the rule of
   ``torch.optim.lr_scheduler.ReduceLROnPlateau`` (mode="min", threshold_mode="rel").
@@ -145,8 +146,9 @@ class PlateauCosine:
 
     A check happens at every ``observe`` after warmup once ``window`` losses are held: it passes
     when max - min of the last ``window`` losses is below ``threshold``. The decay starts at the
-    progress t of the observation where the ``patience``-th consecutive pass happens, or at the
-    first observation with t >= ``cap`` (``cap`` defaults to ``total``).
+    progress t of the observation where the ``patience``-th consecutive pass happens, and at
+    ``cap`` at the latest (``cap`` defaults to ``total``) whether or not losses are observed, so a
+    loop that feeds no loss (or only non-finite ones) still decays from ``cap``.
     """
 
     def __init__(
@@ -189,16 +191,18 @@ class PlateauCosine:
         if len(self.losses) == self.window:
             self.passes = self.passes + 1 if max(self.losses) - min(self.losses) < self.threshold else 0
         if self.passes >= self.patience or t >= self.cap:
-            self.decay_start = min(float(t), self.total)
+            # past the cap the factor has been decaying from cap already (see __call__)
+            self.decay_start = min(float(t), self.cap)
 
     def __call__(self, t: float) -> float:
         t = min(max(float(t), 0.0), self.total)
         if t < self.warmup:
             return t / self.warmup
-        if self.decay_start is None or t <= self.decay_start:
+        start = self.cap if self.decay_start is None else self.decay_start  # the cap bounds the hold
+        if t <= start:
             return 1.0
-        span = self.total - self.decay_start
-        return _decay("cosine", (t - self.decay_start) / span, self.min_lr_ratio) if span > 0 else 1.0
+        span = self.total - start
+        return _decay("cosine", (t - start) / span, self.min_lr_ratio) if span > 0 else 1.0
 
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "passes": self.passes, "decay_start": self.decay_start}
@@ -273,6 +277,8 @@ class LRScheduler:
         for g, lr in zip(optimizer.param_groups, self.base_lrs):
             g["initial_lr"] = lr
         self.progress = float(progress)
+        if not (math.isfinite(self.progress) and self.progress >= 0):
+            raise ValueError(f"progress must be finite and >= 0, got {progress}")
         self._apply()
 
     def factor(self) -> float:
@@ -284,6 +290,8 @@ class LRScheduler:
             g["lr"] = lr * f
 
     def step(self, amount: float = 1.0, loss: float | None = None) -> None:
+        if not math.isfinite(amount):  # NaN would make every later LR NaN
+            raise ValueError(f"amount must be finite, got {amount}")
         if amount < 0:
             raise ValueError(f"progress can only move forward, got amount={amount}")
         self.progress += float(amount)

@@ -103,3 +103,29 @@ def test_bad_loss_input_raises():
         chunked_cross_entropy(hidden, weight, bad)
     with pytest.raises(TypeError, match="int64"):
         cross_entropy_sum(torch.zeros(2, 5, 7), labels.float())
+
+
+def test_chunked_converts_the_head_weight_once_per_pass():
+    """Invariant (memory/time at V = 128k): when the matmul dtype differs from the head's dtype the
+    [V, H] weight is converted once per forward and once per backward, not once per chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    hidden, weight, labels = make_case(0, 2, 9, 8, 13, 0.0, dtype=torch.float32)
+    head = weight.detach().to(torch.bfloat16).requires_grad_()  # fp32 hidden x bf16 head -> fp32 matmuls
+
+    class CountWeightCopies(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == tuple(head.shape):
+                CountWeightCopies.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with CountWeightCopies():
+        loss, _ = chunked_cross_entropy(hidden, head, labels, chunk_size=3)  # 16 targets: 6 chunks
+    assert CountWeightCopies.n == 1
+    CountWeightCopies.n = 0
+    with CountWeightCopies():
+        loss.backward()
+    assert CountWeightCopies.n <= 2  # the matmul copy and the final fp32 -> bf16 cast of grad_w
+    assert head.grad is not None and hidden.grad is not None

@@ -64,7 +64,10 @@ def test_monotone_within_each_phase(s):
 def test_continuous_at_phase_boundaries(s):
     """Invariant: f has no jump at warmup end, decay start (WSD) or total: f(b - d) -> f(b + d)."""
     bounds = [s.warmup, s.total] + ([s.total - s.decay_len] if isinstance(s, WSD) else [])
-    d = 1e-12 * s.total  # 1-sqrt has an infinite slope at its start: |jump| ~ sqrt(d)
+    # 1-sqrt has an infinite slope at its start: |jump| ~ sqrt(d / decay length), so d is taken
+    # relative to the shortest phase (a 1-step decay in a 5000-step run would otherwise jump 7e-5)
+    lengths = [s.warmup, s.total - s.warmup] + ([s.decay_len] if isinstance(s, WSD) else [])
+    d = 1e-12 * min([x for x in lengths if x > 0], default=s.total)
     for b in bounds:
         assert abs(s(max(b - d, 0.0)) - s(b + d)) < 1e-5
         assert abs(s(b) - s(b + d)) < 1e-5
@@ -280,3 +283,30 @@ def test_bad_schedule_input_raises():
         LRScheduler(opt, WarmupDecay(10))
     with pytest.raises(ValueError, match="forward"):
         LRScheduler(torch.optim.SGD([p], lr=0.1), WarmupDecay(10)).step(amount=-1)
+    # a NaN/inf amount (e.g. a token count read from a broken tensor) would make every later LR NaN
+    sched = LRScheduler(torch.optim.SGD([p], lr=0.1), WarmupDecay(10))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            sched.step(amount=bad)
+    assert sched.progress == 0.0 and sched.get_last_lr() == [0.1]
+    with pytest.raises(ValueError, match="finite"):
+        LRScheduler(torch.optim.SGD([p], lr=0.1), WarmupDecay(10), progress=float("nan"))
+
+
+def test_plateau_hybrid_cap_holds_without_observations():
+    """Invariant: the decay starts at ``cap`` at the latest, whether or not (finite) losses were
+    observed: a loop that never feeds a loss, or only NaN losses, still gets a cosine from cap to T."""
+    s = PlateauCosine(100, warmup=10, cap=50, min_lr_ratio=0.1)
+    assert s(50) == 1.0
+    assert s(75) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert s(100) == pytest.approx(0.1)
+    p = torch.nn.Parameter(torch.zeros(1))
+    s2 = PlateauCosine(100, warmup=10, cap=50, min_lr_ratio=0.1)
+    sched = LRScheduler(torch.optim.SGD([p], lr=1.0), s2)
+    for _ in range(75):
+        sched.step(loss=float("nan"))
+    assert sched.get_last_lr()[0] == pytest.approx(s(75))
+    # an observation past the cap (a token-driven step overshooting it) keeps the decay anchored at cap
+    s3 = PlateauCosine(100, warmup=10, cap=50)
+    s3.observe(1.0, 57.0)
+    assert s3.decay_start == 50.0

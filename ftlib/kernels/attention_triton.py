@@ -143,6 +143,38 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+_INT32_LIMIT = 2**31
+
+
+def _check_int32_offsets(geo: _Geometry, tensors) -> None:
+    """Raise when an offset the kernels compute in int32 could reach 2^31.
+
+    The kernels add the document / batch-row start in int64, but the row within a document
+    (``row * stride_t``) and the head (``h * stride_h``) are int32 products whenever the stride
+    fits in int32 (Triton passes such ints as i32): past 2^31 they wrap and address memory out
+    of bounds. ``tensors`` holds (name, shape, strides or None for contiguous, rows).
+    """
+    t_dim, h_dim = (0, 1) if geo.varlen else (1, 2)
+    for name, shape, strides, rows in tensors:
+        if strides is None:  # a contiguous tensor the launcher allocates
+            strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        for what, count, stride in (("token", rows, strides[t_dim]), ("head", shape[h_dim], strides[h_dim])):
+            if stride < _INT32_LIMIT and (count - 1) * stride >= _INT32_LIMIT:
+                raise ValueError(
+                    f"attention_triton: {name} {tuple(shape)} needs {what} offsets up to {(count - 1) * stride} "
+                    f">= 2^31 inside one {'document' if geo.varlen else 'batch row'} (int32 kernel offsets); "
+                    "use shorter documents or fewer tokens per row"
+                )
+
+
+def _check_lse_offsets(geo: _Geometry) -> None:
+    # lse / delta (Hq, N) varlen or (B, Hq, Tq) dense: the head offset h * stride is int32 too
+    head_stride = geo.lse_shape[-1]
+    if (geo.hq - 1) * head_stride >= _INT32_LIMIT:
+        raise ValueError(f"attention_triton: {geo.hq} heads x {head_stride} tokens of log-sum-exp reach 2^31 "
+                         "(int32 kernel offsets); split the pack")
+
+
 def _bth(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     # (batch, token, head) strides; a varlen tensor [N, H, D] is one "batch row" per document
     # whose start comes from cu_seqlens, so its batch stride is 0.
@@ -245,6 +277,12 @@ class _AttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, geo):
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+        sq, sk = geo.seqlen_q, geo.seqlen_k
+        # inputs as passed, and the contiguous O, dQ, dK, dV the launchers allocate
+        _check_int32_offsets(geo, [("q", q.shape, q.stride(), sq), ("k", k.shape, k.stride(), sk),
+                                   ("v", v.shape, v.stride(), sk), ("q", q.shape, None, sq),
+                                   ("k", k.shape, None, sk)])
+        _check_lse_offsets(geo)
         o, lse = _forward(q, k, v, geo)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.geo = geo
@@ -255,7 +293,9 @@ class _AttentionFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(_unit_last(do), q, k, v, o, lse, ctx.geo)
+        do = _unit_last(do)
+        _check_int32_offsets(ctx.geo, [("grad of the output", do.shape, do.stride(), ctx.geo.seqlen_q)])
+        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.geo)
         return dq, dk, dv, None
 
 

@@ -132,11 +132,9 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
         raise RuntimeError("apply_lora: model already has LoRA adapters (one adapter per model)")
     config, targets, save_names = plan_lora(model, config)
 
-    for p in model.parameters():
-        p.requires_grad_(False)
-
     quantize = config.quantize == "nf4"
     qkw = dict(blocksize=config.quant_blocksize, double_quant=config.double_quant)
+    others: list[str] = []  # non-target linears quantized with quantize_modules="all"
     if quantize and config.quantize_modules == "all":
         target_set = {n for n, _ in targets}
         for name in _linear_names(model):
@@ -144,8 +142,25 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
             if (name in target_set or not isinstance(mod, nn.Linear) or in_modules_to_save(name, config.modules_to_save)
                     or matches_any(name, config.quantize_skip)):
                 continue
-            _set_module(model, name, NF4Linear.from_linear(mod, **qkw))
-    for name, mod in targets:
+            others.append(name)
+    if quantize:
+        # checked before anything changes: NF4 would spread a NaN/Inf over its whole block, and a
+        # failure half-way would leave a half-converted model
+        for name in others + [n for n, m in targets if isinstance(m, nn.Linear)]:
+            w = model.get_submodule(name).weight
+            if not bool(torch.isfinite(w).all()):
+                raise ValueError(f"apply_lora: {name}.weight has non-finite values; cannot quantize it to NF4")
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name in others:
+        _set_module(model, name, NF4Linear.from_linear(model.get_submodule(name), **qkw))
+    n_targets = len(targets)
+    targets.reverse()
+    while targets:
+        # pop: once swapped out, a full-precision weight must be unreachable, so quantizing an 8B
+        # model peaks at the model plus one layer, not the model plus its whole NF4 copy
+        name, mod = targets.pop()
         base = NF4Linear.from_linear(mod, **qkw) if (quantize and isinstance(mod, nn.Linear)) else mod
         layer = LoRALinear(
             base, config.rank_for(name), config.alpha_for(name), config.dropout,
@@ -158,7 +173,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
                 p.requires_grad_(True)
     object.__setattr__(model, _CONFIG_ATTR, config)
     if verbose:
-        log.info("apply_lora: %d layers adapted; %s", len(targets), count_params(model))
+        log.info("apply_lora: %d layers adapted; %s", n_targets, count_params(model))
     return model
 
 
@@ -226,10 +241,12 @@ def merge_and_unload(model: nn.Module, dtype: torch.dtype | None = torch.bfloat1
     The merge is computed in fp32 from the unmerged (dequantized) base. Other parameters keep
     their dtype. The result has no ftlib-specific modules, ready for ``save_pretrained``.
     """
-    for name, layer in list(lora_layers(model)):
-        _set_module(model, name, layer.to_linear(dtype))
-    for name, mod in [(n, m) for n, m in model.named_modules() if isinstance(m, NF4Linear)]:
-        _set_module(model, name, mod.to_linear(dtype))
+    # by name, one module at a time: a replaced layer must be unreachable before the next merged
+    # weight is built, or a bf16 model would briefly be held twice
+    for name in [n for n, _ in lora_layers(model)]:
+        _set_module(model, name, model.get_submodule(name).to_linear(dtype))
+    for name in [n for n, m in model.named_modules() if isinstance(m, NF4Linear)]:
+        _set_module(model, name, model.get_submodule(name).to_linear(dtype))
     if getattr(model, _CONFIG_ATTR, None) is not None:
         object.__delattr__(model, _CONFIG_ATTR)
     return model

@@ -155,13 +155,18 @@ def quantize_nf4(weight: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tenso
     Returns ``codes`` uint8 [ceil(n / 2)] (two codes a byte, first in the high nibble)
     and ``absmax`` fp32 [ceil(n / blocksize)], equal to bitsandbytes' ``quantize_4bit``
     output (``codes`` is its packed tensor flattened, ``absmax`` its ``quant_state.absmax``).
+    A weight with NaN/Inf values raises ValueError (it would spoil its whole block).
     """
     _check_blocksize(blocksize)
     if not weight.is_floating_point() or weight.dtype == torch.float64:
         raise TypeError(f"quantize_nf4 expects a fp32/fp16/bf16 tensor, got {weight.dtype}")
     if weight.numel() == 0:
         raise ValueError("quantize_nf4: cannot quantize an empty tensor")
-    scaled, absmax = _blockwise_scale(weight.reshape(-1).float(), blocksize)
+    flat = weight.reshape(-1)
+    scaled, absmax = _blockwise_scale(flat.float(), blocksize)
+    if not bool(torch.isfinite(absmax).all()):  # [nb] values: a cheap check; NaN/Inf would spoil a block
+        first = int((~torch.isfinite(flat)).nonzero()[0, 0])
+        raise ValueError(f"quantize_nf4: weight has non-finite values (first at flat index {first})")
     if scaled.numel() % 2:
         scaled = F.pad(scaled, (0, 1))  # pad value 0.0 -> code of 0.0, as bitsandbytes does
     q = _nearest(scaled, NF4_CODE)  # (n_even,)

@@ -130,7 +130,7 @@ def load_adapter(
 
     A plain model is first adapted with ``apply_lora`` using the file's config (plus
     ``config_overrides``, e.g. ``quantize="nf4"``); an already adapted model must have a
-    matching config. With ``check_base``, an adapter whose ``base_model_name_or_path``
+    matching config and no merged adapter (RuntimeError otherwise). With ``check_base``, an adapter whose ``base_model_name_or_path``
     differs from the model's ``name_or_path`` (when both are known) is refused.
     """
     from safetensors import SafetensorError, safe_open
@@ -169,6 +169,11 @@ def load_adapter(
             for pname, p in model.get_submodule(mod_name).named_parameters():
                 shapes[f"{mod_name}.{pname}"] = tuple(p.shape)
     else:
+        merged = [name for name, layer in lora_layers(model) if layer.merged]
+        if merged:
+            # the base weights hold the current update: new adapter values would make unmerge wrong
+            raise RuntimeError(f"load_adapter({path}): adapters are merged into the base weights "
+                               f"({merged[0]}, ...); call ftlib.lora.unmerge_lora(model) first")
         if not _same_targets(existing, cfg):
             raise ValueError(f"{path / ADAPTER_CONFIG}: config {d} differs from the model's adapter config {existing}")
         shapes = {k: tuple(p.shape) for k, p in _adapter_params(model).items()}

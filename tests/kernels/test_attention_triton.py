@@ -254,6 +254,20 @@ def test_bad_inputs_raise():
         attention_triton(q[0], q[0], q[0], cu_seqlens=_cu([1, 3]), max_seqlen=2)
 
 
+def test_int32_offset_overflow_is_a_clear_error():
+    """The kernels add int64 document/batch offsets to int32 row and head offsets: a shape whose
+    in-document offset reaches 2^31 (here 2^19 + 1 tokens x 32 heads x 128) must raise, not read
+    or write out of bounds. Meta tensors: no memory is allocated."""
+    t = 2**19 + 1
+    q = torch.empty(1, t, 32, 128, device="meta", dtype=torch.float16)
+    kv = torch.empty(1, t, 8, 128, device="meta", dtype=torch.float16)
+    with pytest.raises(ValueError, match="2\\^31"):
+        attention_triton(q, kv, kv)
+    # varlen: the same tokens as one document
+    with pytest.raises(ValueError, match="2\\^31"):
+        attention_triton(q[0], kv[0], kv[0], cu_seqlens=_cu([t]), max_seqlen=t)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the same checks natively, bf16/fp16, real head dims and longer sequences
 # ---------------------------------------------------------------------------------------------

@@ -230,3 +230,59 @@ def test_training_reduces_loss(toy, cfg):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.3 * losses[0], losses[::8]
+
+
+def test_qlora_frees_each_full_precision_weight_as_it_goes(monkeypatch):
+    """Invariant (memory at 8B scale): while apply_lora quantizes target k, the full-precision
+    weights of targets 0..k-1 are already unreachable, so the peak is one model plus one layer,
+    not the full-precision model plus its NF4 copy."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = Toy()
+    seen: list[weakref.ref] = []
+    alive_at_call: list[int] = []
+    real = NF4Linear.from_linear.__func__
+
+    def spy(cls, linear, **kw):
+        gc.collect()
+        alive_at_call.append(sum(r() is not None for r in seen))
+        seen.append(weakref.ref(linear.weight))
+        return real(cls, linear, **kw)
+
+    monkeypatch.setattr(NF4Linear, "from_linear", classmethod(spy))
+    apply_lora(model, LoRAConfig(target_modules=["q_proj", "v_proj", "o_proj"], quantize="nf4"))
+    assert len(alive_at_call) == 6
+    assert alive_at_call == [0] * 6, alive_at_call
+
+
+def test_merge_and_unload_frees_each_replaced_layer(monkeypatch):
+    """Invariant (memory at 8B scale): while merge_and_unload builds layer k's merged weight, the
+    base weights of layers 0..k-1 are unreachable, so exporting a bf16 model peaks near one model,
+    not two."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = apply_lora(Toy(), LoRAConfig(target_modules=["q_proj", "v_proj", "o_proj"], use_dora=True))
+    seen: list[weakref.ref] = []
+    alive_at_call: list[int] = []
+    real = LoRALinear.to_linear
+
+    def spy(self, dtype=None):
+        gc.collect()
+        alive_at_call.append(sum(r() is not None for r in seen))
+        seen.append(weakref.ref(self.base_layer.weight))
+        return real(self, dtype)
+
+    monkeypatch.setattr(LoRALinear, "to_linear", spy)
+    merge_and_unload(model, dtype=torch.float32)
+    assert alive_at_call == [0] * 6, alive_at_call
+
+
+def test_qlora_names_the_layer_with_a_non_finite_weight(toy):
+    with torch.no_grad():
+        toy.layers[1].v_proj.weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="layers.1.v_proj.*non-finite"):
+        apply_lora(toy, LoRAConfig(target_modules=["q_proj", "v_proj"], quantize="nf4"))

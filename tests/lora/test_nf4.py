@@ -179,6 +179,12 @@ def test_bad_input():
     codes, absmax = quantize_nf4(torch.randn(4, 4))
     with pytest.raises(ValueError, match="needs 32 code bytes"):
         dequantize_nf4(codes, absmax, (8, 8))
+    # a NaN/Inf weight would turn its whole 64-value block into NaN/Inf after the round trip
+    for bad in (float("nan"), float("inf")):
+        w = torch.randn(4, 40)
+        w[2, 7] = bad
+        with pytest.raises(ValueError, match="non-finite.*index 87"):
+            quantize_nf4(w)
 
 
 def test_backend_choice(monkeypatch):

@@ -180,3 +180,25 @@ def test_bad_adapters(base, tmp_path):
         load_adapter(nn.Sequential(nn.Linear(4, 4)), src)
     with pytest.raises(ValueError, match="no LoRA adapters"):
         save_adapter(copy.deepcopy(base), tmp_path / "none")
+
+
+def test_load_into_merged_model_is_refused(base, tmp_path):
+    """Invariant: loading never changes adapters that are folded into the base weights (a later
+    unmerge would subtract the new update from a weight holding the old one); the model is untouched."""
+    from ftlib.lora import merge_lora, unmerge_lora
+
+    cfg = LoRAConfig(r=2, alpha=4, target_modules=["q_proj", "v_proj"], use_dora=True)
+    m = apply_lora(copy.deepcopy(base), cfg)
+    _perturb(m, seed=3)
+    save_adapter(m, tmp_path)
+    target = apply_lora(copy.deepcopy(base), cfg)
+    _perturb(target, seed=4)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    merge_lora(target)
+    merged = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(RuntimeError, match="merged"):
+        load_adapter(target, tmp_path)
+    assert all(torch.equal(v, merged[k]) for k, v in target.state_dict().items())
+    unmerge_lora(target)
+    for k, v in target.state_dict().items():
+        torch.testing.assert_close(v, before[k], atol=1e-5, rtol=1e-5)
