@@ -78,10 +78,10 @@ class LoRAConfig:
         self.modules_to_save = list(self.modules_to_save or [])
         self.rank_pattern = dict(self.rank_pattern or {})
         self.alpha_pattern = dict(self.alpha_pattern or {})
-        if not isinstance(self.r, int) or self.r <= 0:
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
             raise ValueError(f"LoRAConfig.r must be a positive integer, got {self.r!r}")
         for pat, rv in self.rank_pattern.items():
-            if not isinstance(rv, int) or rv <= 0:
+            if not isinstance(rv, int) or isinstance(rv, bool) or rv <= 0:
                 raise ValueError(f"LoRAConfig.rank_pattern[{pat!r}] must be a positive integer, got {rv!r}")
         if not self.alpha > 0:
             raise ValueError(f"LoRAConfig.alpha must be > 0, got {self.alpha!r}")

@@ -200,7 +200,7 @@ def test_bad_input(toy):
         apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules=["q_proj"], modules_to_save=["head"]))
     with pytest.raises(TypeError, match="only linear"):
         apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules=["embed"]))
-    for bad in (dict(r=0), dict(r=-2), dict(dropout=1.0), dict(alpha=0), dict(rank_pattern={"q": 0}),
+    for bad in (dict(r=0), dict(r=-2), dict(r=True), dict(r=2.0), dict(dropout=1.0), dict(alpha=0), dict(rank_pattern={"q": 0}),
                 dict(init="xavier"), dict(quantize="int8"), dict(target_modules=[])):
         with pytest.raises(ValueError):
             LoRAConfig(**bad)
