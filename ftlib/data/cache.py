@@ -165,7 +165,8 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
                 mp_context: str | None = None, verify: str = "sample") -> TokenCache:
     """Tokenize ``sources`` (see ``sources.list_shards``) into ``cache_dir`` and open it.
 
-    Shards whose cache files already exist (same content, tokenizer, settings) are reused.
+    Shards whose cache files already exist (same content, tokenizer, settings) are reused, except
+    that a strict build re-reads a shard from which a lenient build skipped records (so it raises).
     ``strict=False`` skips bad records and reports them in ``cache.report``. ``mp_context``:
     multiprocessing start method (default: ``fork`` on Linux, the platform default elsewhere).
     """
@@ -185,6 +186,8 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
         key = hashlib.sha256(f"{CACHE_VERSION}|{fp}|{tok_hash}|{fmt_fp}|{dtype}".encode()).hexdigest()[:32]
         keys.append(key)
         meta = _reusable(shards_dir, key)
+        if meta is not None and strict and meta["skipped"]["counts"]:
+            meta = None  # a lenient build dropped records here: strict mode re-reads it to raise on the first
         if meta is not None:
             metas[i] = meta
         else:

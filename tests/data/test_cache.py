@@ -143,3 +143,14 @@ def test_cli_build_and_info(tmp_path, tokenizer, write_jsonl, capsys):
     assert cli(["info", str(tmp_path / "c")]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["n_docs"] == 1 and info["skipped"]["counts"] == {"missing_field": 1}
+
+
+def test_strict_build_does_not_reuse_a_shard_that_skipped_records(tmp_path, tokenizer, write_jsonl):
+    """A lenient build's shard lost records; a later strict build must raise, not reuse it silently."""
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": "hello world"}, "{not json", {"text": "the fox"}])
+    out = str(tmp_path / "c")
+    lenient = build_cache(src, tokenizer, TEXT, out, strict=False, progress=False)
+    assert len(lenient) == 2 and lenient.report.counts == {"malformed_json": 1}
+    with pytest.raises(DataError, match=r"a\.jsonl:2: malformed_json"):
+        build_cache(src, tokenizer, TEXT, out, strict=True, progress=False)
+    assert build_cache(src, tokenizer, TEXT, out, strict=False, progress=False).n_built == 0  # lenient: a hit
