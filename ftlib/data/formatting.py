@@ -24,10 +24,12 @@ Labels. This module returns a 0/1 ``loss_mask`` aligned with ``input_ids``; the 
 packer turn it into ``labels`` aligned with ``input_ids`` (same position, *not* shifted: the
 loss compares logits[t] with labels[t + 1]), with -100 where the mask is 0.
 
-Truncation (``max_length``). ``truncation="prompt_left"`` (default) removes tokens without loss
-from the left (the earliest prompt tokens; a leading BOS is kept) until the record fits, and only
-if the prompt is exhausted cuts response tokens from the right; ``"right"`` keeps the first
-``max_length`` tokens. Truncated records are counted in ``Formatter.n_truncated``.
+Truncation (``max_length``). ``truncation="prompt_left"`` (default) cuts the leading prompt (the
+tokens without loss before the first response token; a leading BOS is kept) from the left until
+the record fits, and only if that prompt is exhausted cuts what remains from the right (response
+tokens, later turns); the result is always one contiguous window of the record (after the BOS).
+``"right"`` keeps the first ``max_length`` tokens. Truncated records are counted in
+``Formatter.n_truncated``.
 
 EOS is explicit: ``add_bos`` / ``add_eos`` (text default: no BOS, EOS appended; chat: the
 template decides BOS, ``add_eos`` appends EOS after the rendered conversation).
@@ -280,11 +282,12 @@ class Formatter:
         L = self.cfg.max_length
         if self.cfg.truncation == "right":
             return ids[:L], mask[:L]
-        n_cut = len(ids) - L
-        keep = np.ones(len(ids), dtype=bool)
         first = 1 if (self.cfg.add_bos or (len(ids) and ids[0] == self.bos_id)) else 0
-        prompt = np.flatnonzero(mask[first:] == 0) + first
-        drop = prompt[:n_cut]  # earliest prompt tokens first
-        keep[drop] = False
-        ids, mask = ids[keep], mask[keep]
-        return ids[:L], mask[:L]  # prompt exhausted: cut the response from the right
+        # the leading prompt: tokens without loss before the first response token (a BOS stays).
+        # Only this prefix is cut: deleting later no-loss tokens (a second user turn, a header)
+        # would splice responses into a sequence that never occurred.
+        lead = int(np.argmax(mask[first:] != 0)) if mask[first:].any() else len(ids) - first
+        k = min(len(ids) - L, lead)
+        ids = np.concatenate([ids[:first], ids[first + k :]])
+        mask = np.concatenate([mask[:first], mask[first + k :]])
+        return ids[:L], mask[:L]  # leading prompt exhausted: cut the rest from the right

@@ -129,3 +129,26 @@ def test_template_is_sandboxed(tokenizer):
     fmt = Formatter(tokenizer, FormatConfig(kind="chat", chat_template=evil))
     with pytest.raises(DataError, match="template_error"):
         fmt({"messages": [{"role": "assistant", "content": "hi"}]}, "x:1", SkipReport())
+
+
+def _is_window(part: np.ndarray, whole: np.ndarray) -> bool:
+    n = len(part)
+    return any(np.array_equal(whole[k : k + n], part) for k in range(len(whole) - n + 1))
+
+
+@pytest.mark.parametrize("max_length", [12, 20, 26])
+def test_truncating_a_multi_turn_chat_keeps_one_contiguous_window(tokenizer, max_length):
+    """Cutting the prompt from the left never deletes tokens from the middle (a later user turn)."""
+    rec = {"messages": [{"role": "user", "content": "why is the sky blue"},
+                        {"role": "assistant", "content": "because of Rayleigh scattering"},
+                        {"role": "user", "content": "the quick brown fox jumps over the lazy dog"},
+                        {"role": "assistant", "content": "hello world"}]}
+    cfg = dict(kind="chat", chat_template="chatml")
+    full = Formatter(tokenizer, FormatConfig(**cfg))(rec, "x:1", SkipReport())
+    lead = int(np.argmax(full.loss_mask))  # prompt tokens before the first response token
+    assert len(full.input_ids) - max_length > lead  # cutting only the leading prompt is not enough
+    doc = Formatter(tokenizer, FormatConfig(**cfg, max_length=max_length))(rec, "x:1", SkipReport())
+    assert len(doc.input_ids) == max_length and _is_window(doc.input_ids, full.input_ids)
+    # the leading prompt went first: the window starts at the first response token
+    assert np.array_equal(doc.input_ids, full.input_ids[lead : lead + max_length])
+    assert np.array_equal(doc.loss_mask, full.loss_mask[lead : lead + max_length])
