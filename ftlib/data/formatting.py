@@ -18,7 +18,8 @@ is checked to equal the plain rendering). Each span is extended over the turn-en
 immediately follows it (``turn_end``: ``<|im_end|>`` for chatml, ``<|eot_id|>`` for llama3, the
 EOS text otherwise) so the model learns to stop. A token carries loss iff its character range
 (from the tokenizer's offsets) overlaps an assistant span. ``loss_on="all"`` puts every token in
-the loss.
+the loss. A record whose every assistant turn is blank is reported as ``empty_response`` (with
+loss on assistant turns only, it would teach the model to answer with nothing).
 
 Labels. This module returns a 0/1 ``loss_mask`` aligned with ``input_ids``; the collator and
 packer turn it into ``labels`` aligned with ``input_ids`` (same position, *not* shifted: the
@@ -192,6 +193,11 @@ class Formatter:
                 return None
         if all(not m["content"].strip() for m in msgs):
             report.add("empty_document", where, "all message contents are empty")
+            return None
+        answers = [m for m in msgs if m["role"] == "assistant"]
+        if c.loss_on == "assistant" and answers and all(not m["content"].strip() for m in answers):
+            # only the turn end would carry loss: the model would learn to answer with nothing
+            report.add("empty_response", where, "every assistant turn is empty")
             return None
         return msgs
 

@@ -152,3 +152,19 @@ def test_truncating_a_multi_turn_chat_keeps_one_contiguous_window(tokenizer, max
     # the leading prompt went first: the window starts at the first response token
     assert np.array_equal(doc.input_ids, full.input_ids[lead : lead + max_length])
     assert np.array_equal(doc.loss_mask, full.loss_mask[lead : lead + max_length])
+
+
+@pytest.mark.parametrize("kind,rec", [
+    ("chat", {"messages": [{"role": "user", "content": "why is the sky blue"}, {"role": "assistant", "content": ""}]}),
+    ("instruction", {"prompt": "why is the sky blue", "response": "  \n"}),
+])
+def test_empty_response_is_reported_not_trained_on(tokenizer, kind, rec):
+    """A blank answer would train the model to stop at once (only the turn end carries loss)."""
+    fmt = Formatter(tokenizer, FormatConfig(kind=kind, chat_template="chatml"))
+    with pytest.raises(DataError, match="r.jsonl:4: empty_response"):
+        fmt(rec, "r.jsonl:4", SkipReport())
+    rep = SkipReport(strict=False)
+    assert fmt(rec, "r.jsonl:4", rep) is None and rep.counts == {"empty_response": 1}
+    # with loss on every token the record still has something to teach
+    assert Formatter(tokenizer, FormatConfig(kind=kind, chat_template="chatml", loss_on="all"))(
+        rec, "r.jsonl:4", SkipReport()) is not None
