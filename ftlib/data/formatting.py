@@ -153,7 +153,12 @@ class Formatter:
         self.n_truncated = 0
 
     def _token_id(self, tok, name):
-        if tok is None or isinstance(tok, int):
+        if isinstance(tok, int):
+            n = self.tok.get_vocab_size(with_added_tokens=True)
+            if not 0 <= tok < n:
+                raise ValueError(f"FormatConfig.{name}={tok} is not a token id (vocabulary of {n})")
+            return tok
+        if tok is None:
             return tok
         i = self.tok.token_to_id(tok)
         if i is None:

@@ -168,3 +168,13 @@ def test_empty_response_is_reported_not_trained_on(tokenizer, kind, rec):
     # with loss on every token the record still has something to teach
     assert Formatter(tokenizer, FormatConfig(kind=kind, chat_template="chatml", loss_on="all"))(
         rec, "r.jsonl:4", SkipReport()) is not None
+
+
+def test_special_token_ids_outside_the_vocabulary_are_refused(tokenizer):
+    """An int id past the vocabulary would wrap silently when stored as uint16 in the cache."""
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    with pytest.raises(ValueError, match=rf"FormatConfig.eos_token={n + 65536} is not a token id \(vocabulary of {n}\)"):
+        Formatter(tokenizer, FormatConfig(kind="text", eos_token=n + 65536))
+    with pytest.raises(ValueError, match="bos_token=-1"):
+        Formatter(tokenizer, FormatConfig(kind="text", eos_token=3, bos_token=-1, add_bos=True))
+    assert Formatter(tokenizer, FormatConfig(kind="text", eos_token=n - 1)).eos_id == n - 1
