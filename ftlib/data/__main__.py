@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="tokenize sources into a cache directory")
     b.add_argument("--source", action="append", required=True,
-                   help="file, directory, glob or hf://datasets/owner/name[@rev]; repeatable")
+                   help="file, directory, glob or hf://datasets/owner/name[@rev][/path or glob]; repeatable")
     b.add_argument("--tokenizer", required=True, help="path to tokenizer.json")
     b.add_argument("--out", required=True, help="cache directory")
     b.add_argument("--kind", default="text", choices=["text", "chat", "instruction"])
