@@ -173,3 +173,28 @@ def test_failed_save_leaves_no_half_file(make_model, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         save_pretrained(make_model(), tmp_path)
     assert os.listdir(tmp_path) == []
+
+
+def test_crash_while_overwriting_a_sharded_save_never_loads_a_mix(make_model, tmp_path, monkeypatch):
+    """Re-saving into a directory: a crash after some shards must not leave old + new shards that load."""
+    import safetensors.torch
+
+    old, new = make_model(seed=0), make_model(seed=1)
+    save_pretrained(old, tmp_path, max_shard_size="20KB")
+    real, n = safetensors.torch.save_file, []
+
+    def dies_on_second_shard(tensors, path, metadata=None):
+        n.append(path)
+        if len(n) == 2:
+            raise KeyboardInterrupt
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_on_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        save_pretrained(new, tmp_path, max_shard_size="20KB")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+        load_pretrained(tmp_path)
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    save_pretrained(new, tmp_path, max_shard_size="20KB")
+    got = load_pretrained(tmp_path)
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in new.state_dict().items())
