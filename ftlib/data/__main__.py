@@ -20,6 +20,23 @@ def _token(s):
     return int(s) if s is not None and s.isdigit() else s
 
 
+def _read_template(path: str) -> str:
+    """Template text from a .jinja file or a tokenizer_config.json (string, or HF's list of named ones)."""
+    with open(path, encoding="utf-8") as f:
+        if not path.endswith(".json"):
+            return f.read()
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON: {e}") from None
+    t = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    if isinstance(t, list):  # [{"name": ..., "template": ...}]: the "default" one is the chat template
+        t = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}.get("default")
+    if not isinstance(t, str):
+        raise ValueError(f"{path}: no 'chat_template' string (nor a list with a 'default' entry)")
+    return t
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ftlib.data")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -64,8 +81,7 @@ def main(argv=None) -> int:
     tok = Tokenizer.from_file(a.tokenizer)
     template = a.chat_template
     if template and os.path.isfile(template):
-        with open(template) as f:
-            template = json.load(f)["chat_template"] if template.endswith(".json") else f.read()
+        template = _read_template(template)
     cfg = FormatConfig(
         kind=a.kind, text_field=a.text_field, messages_field=a.messages_field, prompt_field=a.prompt_field,
         response_field=a.response_field, system_field=a.system_field, chat_template=template,

@@ -181,3 +181,22 @@ def test_build_memory_stays_near_the_cache_size(tmp_path, tokenizer, monkeypatch
     assert c.n_tokens > 300_000 and c.dtype == np.uint16
     # 10.4 measured (3 B/token held twice while a shard is joined, plus fixed read buffers); 27.5 with int64 chunks
     assert peak / c.n_tokens < 14, f"{peak / c.n_tokens:.1f} bytes per token"
+
+
+def test_cli_chat_template_from_tokenizer_config(tmp_path, tokenizer, write_jsonl, capsys):
+    """A tokenizer_config.json template may be a list of named templates (HF format), or missing."""
+    from ftlib.data.formatting import BUILTIN_TEMPLATES
+
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    write_jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": "hello"}]}])
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "x"},
+                                                 {"name": "default", "template": BUILTIN_TEMPLATES["chatml"]}]}))
+    args = ["build", "--source", str(tmp_path / "a.jsonl"), "--tokenizer", str(tmp_path / "tokenizer.json"),
+            "--out", str(tmp_path / "c"), "--kind", "chat", "--chat-template", str(cfg), "--num-proc", "1",
+            "--no-progress"]
+    assert cli(args) == 0 and "1 documents" in capsys.readouterr().out
+    cfg.write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(ValueError, match=r"tokenizer_config.json: no 'chat_template'"):
+        cli(args)
