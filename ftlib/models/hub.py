@@ -199,7 +199,11 @@ def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_
     limit = parse_size(max_shard_size)
     state = model.state_dict()
     if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+        head, emb = state.pop("lm_head.weight", None), state.get("model.embed_tokens.weight")
+        if head is not None and emb is not None and head.data_ptr() != emb.data_ptr() and not torch.equal(head, emb):
+            # a loader rebuilds lm_head from the embedding: the trained head would be lost silently
+            raise ValueError(f"{root}: config says tie_word_embeddings=True, but lm_head.weight differs from "
+                             "model.embed_tokens.weight; re-tie them or set tie_word_embeddings=False")
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
 
     shards: list[list[str]] = [[]]
