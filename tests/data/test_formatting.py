@@ -1,5 +1,7 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ftlib.data import DataError, FormatConfig, Formatter, SkipReport, render_chat
 
@@ -178,3 +180,29 @@ def test_special_token_ids_outside_the_vocabulary_are_refused(tokenizer):
     with pytest.raises(ValueError, match="bos_token=-1"):
         Formatter(tokenizer, FormatConfig(kind="text", eos_token=3, bos_token=-1, add_bos=True))
     assert Formatter(tokenizer, FormatConfig(kind="text", eos_token=n - 1)).eos_id == n - 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=2, max_size=40), st.integers(1, 40), st.booleans())
+def test_prompt_left_truncation_invariants(tokenizer, loss, max_length, bos):
+    """Invariants: one window after the BOS; the leading prompt goes before any loss token; fits the limit."""
+    fmt = Formatter(tokenizer, FormatConfig(kind="text", eos_token="</s>", bos_token="<s>", max_length=max_length))
+    ids = np.arange(100, 100 + len(loss), dtype=np.int64)
+    mask = np.asarray(loss, dtype=np.uint8)
+    if bos:
+        ids[0], mask[0] = fmt.bos_id, 0
+    if len(ids) <= max_length:
+        return
+    got, got_mask = fmt._truncate(ids, mask)
+    first = int(bos)
+    assert len(got) == max_length and np.array_equal(got[:first], ids[:first])
+    body = got[first:]
+    if not len(body):  # max_length 1 keeps the BOS alone
+        return
+    k = int(body[0] - ids[first])  # window start (token values are positions)
+    assert np.array_equal(body, ids[first + k : first + k + len(body)])
+    assert np.array_equal(got_mask[first:], mask[first + k : first + k + len(body)])
+    assert not mask[first : first + k].any()  # only no-loss tokens were cut on the left
+    lead = int(np.argmax(mask[first:] != 0)) if mask[first:].any() else len(ids) - first
+    if k < lead:  # the leading prompt was not used up: nothing was cut on the right
+        assert first + k + len(body) == len(ids)
