@@ -92,6 +92,9 @@ class TokenLoader:
             raise ValueError("packing=True needs seq_len")
         if packing and group_by_length:
             raise ValueError("group_by_length applies to padded batches (packing=False)")
+        if group_by_length and not shuffle:
+            raise ValueError("group_by_length shuffles the documents (random mega-batches); it cannot honour "
+                             "shuffle=False")
         r0, w0 = _dist_rank_world()
         self.rank = r0 if rank is None else rank
         self.world_size = w0 if world_size is None else world_size

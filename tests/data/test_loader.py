@@ -173,3 +173,9 @@ def test_state_mismatch_on_order_settings_and_data():
     s = TokenLoader(docs, batch_size=2, pad_id=0, seq_len=16).state_dict()
     with pytest.raises(ValueError, match="'overflow'"):
         TokenLoader(docs, batch_size=2, pad_id=0, seq_len=16, overflow="truncate").load_state_dict(s)
+
+
+def test_group_by_length_with_shuffle_off_is_refused():
+    """Length grouping draws a random order; shuffle=False would be ignored silently."""
+    with pytest.raises(ValueError, match="group_by_length shuffles"):
+        TokenLoader(MemDocs(_lengths(20)), batch_size=2, pad_id=0, packing=False, group_by_length=True, shuffle=False)
