@@ -80,6 +80,17 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def _approx_nbytes(obj) -> int:
+    """Size of a raw item's payload: bytes as is, a decoded record by its strings (chunking only)."""
+    if isinstance(obj, (bytes, str)):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(_approx_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_approx_nbytes(v) for v in obj)
+    return 8
+
+
 # ---- worker side ------------------------------------------------------------------------------
 _W: dict[str, Any] = {}
 
@@ -216,7 +227,7 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
             items, nbytes = [], 0
             for item in iter_raw(sh, report):
                 items.append(item)
-                nbytes += len(item[0]) if isinstance(item[0], bytes) else 0
+                nbytes += _approx_nbytes(item[0])  # Parquet rows arrive as dicts: measure them too
                 if nbytes >= _CHUNK_BYTES or len(items) >= _CHUNK_ITEMS:
                     yield i, items, nbytes, False
                     items, nbytes = [], 0

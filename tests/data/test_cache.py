@@ -200,3 +200,19 @@ def test_cli_chat_template_from_tokenizer_config(tmp_path, tokenizer, write_json
     cfg.write_text(json.dumps({"eos_token": "</s>"}))
     with pytest.raises(ValueError, match=r"tokenizer_config.json: no 'chat_template'"):
         cli(args)
+
+
+def test_parquet_chunks_are_bounded_by_bytes_not_only_rows(tmp_path, tokenizer, monkeypatch):
+    """Rows of long documents must not pile up 4096 to a chunk (x the in-flight window) in memory."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import ftlib.data.cache as cache_mod
+
+    pq.write_table(pa.table({"text": ["hello world " * 2000] * 40}), tmp_path / "long.parquet")  # 24 KB rows
+    sizes, real = [], cache_mod._work
+    monkeypatch.setattr(cache_mod, "_work", lambda task: sizes.append(len(task[1])) or real(task))
+    monkeypatch.setattr(cache_mod, "_CHUNK_BYTES", 64 << 10)
+    c = build_cache(str(tmp_path / "long.parquet"), tokenizer, TEXT, str(tmp_path / "c"), progress=False)
+    assert len(c) == 40 and sum(sizes) == 40
+    assert max(sizes) <= 3, sizes  # 64 KiB / 24 KB rows
