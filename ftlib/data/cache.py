@@ -127,7 +127,8 @@ def _work(task):
     dtype = _W["dtype"]
     flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     if len(flat) and (flat.min() < 0 or flat.max() > np.iinfo(dtype).max):
-        raise ValueError(f"{items[0][1]}..: token id {int(flat.max())} does not fit the cache dtype {dtype}")
+        raise ValueError(f"{items[0][1]} (chunk starting here): token id {int(flat.max())} does not fit the "
+                         f"cache dtype {dtype}")
     masks_flat = np.concatenate(masks).astype(np.uint8, copy=False) if masks else np.zeros(0, np.uint8)
     return (shard_idx, last, flat.astype(dtype), masks_flat, np.asarray(lens, np.int64),
             report.to_dict(), fmt.n_truncated - n0, nbytes)
