@@ -108,6 +108,11 @@ class TokenLoader:
         self.opts = {"pad_id": pad_id, "pad_to_multiple_of": pad_to_multiple_of, "max_length": max_length,
                      "padding_side": padding_side}
         self.lengths = np.asarray(docs.lengths, dtype=np.int64)
+        if not packing and max_length is not None and len(self.lengths) and self.lengths.max() > max_length:
+            over = np.flatnonzero(self.lengths > max_length)
+            raise ValueError(f"{len(over)} documents exceed max_length={max_length} (first: document {int(over[0])}, "
+                             f"{int(self.lengths[over[0]])} tokens); truncate them when formatting "
+                             "(FormatConfig.max_length)")
         self.overflow = overflow
         self.plan = pack(self.lengths, seq_len, overflow, pack_backend) if packing else None
         self.n_units = self.plan.n_rows if packing else len(self.lengths)

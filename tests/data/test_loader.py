@@ -179,3 +179,11 @@ def test_group_by_length_with_shuffle_off_is_refused():
     """Length grouping draws a random order; shuffle=False would be ignored silently."""
     with pytest.raises(ValueError, match="group_by_length shuffles"):
         TokenLoader(MemDocs(_lengths(20)), batch_size=2, pad_id=0, packing=False, group_by_length=True, shuffle=False)
+
+
+def test_documents_over_max_length_are_refused_up_front_by_index():
+    """Not mid-epoch inside a worker, with a batch-local index that names no document."""
+    lengths = np.array([5, 9, 3, 12, 4, 4])
+    with pytest.raises(ValueError, match=r"2 documents exceed max_length=8 \(first: document 1, 9 tokens\)"):
+        TokenLoader(MemDocs(lengths), batch_size=2, pad_id=0, packing=False, max_length=8)
+    assert len(TokenLoader(MemDocs(lengths), batch_size=2, pad_id=0, packing=False, max_length=12)) == 3
