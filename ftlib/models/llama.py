@@ -33,6 +33,8 @@ Three batch layouts (see DESIGN.md, "Batch"):
 Decoding passes a ``KVCache`` (``ftlib.models.generate``): the new K/V are
 written at the cache position and the queries attend over the whole cache with
 bottom-right causal alignment and a key mask hiding padded prompt slots. The
+prompt pass over an empty cache attends over its own tokens only, so it runs as
+varlen segments like a padded batch (fused kernels, no T x T score matrix). The
 model itself holds no inference state.
 
 Activation checkpointing (non-reentrant) is a switch:
@@ -115,8 +117,10 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
+        if a.kv_cache is not None:  # write these T keys/values; (B, L, Hkv, D) over the slots so far
+            k_all, v_all, key_mask = a.kv_cache.update(self.layer_idx, k, v)
         if a.cu_seqlens is not None:
-            # varlen: (B*T, H, D); documents never see each other
+            # varlen: (B*T, H, D); documents never see each other (also the prefill of an empty cache)
             o = attention(
                 q.reshape(b * t, self.num_heads, self.head_dim),
                 k.reshape(b * t, self.num_kv_heads, self.head_dim),
@@ -124,8 +128,7 @@ class LlamaAttention(nn.Module):
                 causal=True, cu_seqlens=a.cu_seqlens, max_seqlen=a.max_seqlen, softmax_scale=self.scale,
             )
         elif a.kv_cache is not None:
-            # decode: keys are the cache up to and including these T tokens, (B, L, Hkv, D)
-            k_all, v_all, key_mask = a.kv_cache.update(self.layer_idx, k, v)
+            # decode: keys are the cache up to and including these T tokens
             o = attention(q, k_all, v_all, causal=True, softmax_scale=self.scale, key_padding_mask=key_mask)
         else:
             o = attention(q, k, v, causal=True, softmax_scale=self.scale, key_padding_mask=a.key_padding_mask)
@@ -220,9 +223,15 @@ class LlamaModel(nn.Module):
                 position_ids = _positions_from_cu_seqlens(cu_seqlens, b, t)
             longest = max_seqlen
         elif kv_cache is not None:
+            first = kv_cache.length == 0
             default_pos = kv_cache.prepare(attention_mask, t)
             position_ids = default_pos if position_ids is None else position_ids
             longest = kv_cache.length + t
+            if first and t > 1:  # prefill: only the new tokens are keys, so left padding is segments too
+                mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+                segments = _padding_to_cu_seqlens(mask)
+                if segments is not None:
+                    cu_seqlens, max_seqlen = segments
         else:
             if attention_mask is not None:
                 if position_ids is None:  # count real tokens only: left padding starts at 0 too
