@@ -20,12 +20,29 @@ def _token(s):
     return int(s) if s is not None and s.isdigit() else s
 
 
+def _read_template(path: str) -> str:
+    """Template text from a .jinja file or a tokenizer_config.json (string, or HF's list of named ones)."""
+    with open(path, encoding="utf-8") as f:
+        if not path.endswith(".json"):
+            return f.read()
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON: {e}") from None
+    t = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    if isinstance(t, list):  # [{"name": ..., "template": ...}]: the "default" one is the chat template
+        t = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}.get("default")
+    if not isinstance(t, str):
+        raise ValueError(f"{path}: no 'chat_template' string (nor a list with a 'default' entry)")
+    return t
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ftlib.data")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="tokenize sources into a cache directory")
     b.add_argument("--source", action="append", required=True,
-                   help="file, directory, glob or hf://datasets/owner/name[@rev]; repeatable")
+                   help="file, directory, glob or hf://datasets/owner/name[@rev][/path or glob]; repeatable")
     b.add_argument("--tokenizer", required=True, help="path to tokenizer.json")
     b.add_argument("--out", required=True, help="cache directory")
     b.add_argument("--kind", default="text", choices=["text", "chat", "instruction"])
@@ -64,8 +81,7 @@ def main(argv=None) -> int:
     tok = Tokenizer.from_file(a.tokenizer)
     template = a.chat_template
     if template and os.path.isfile(template):
-        with open(template) as f:
-            template = json.load(f)["chat_template"] if template.endswith(".json") else f.read()
+        template = _read_template(template)
     cfg = FormatConfig(
         kind=a.kind, text_field=a.text_field, messages_field=a.messages_field, prompt_field=a.prompt_field,
         response_field=a.response_field, system_field=a.system_field, chat_template=template,

@@ -23,8 +23,11 @@ hash (``verify="full"``) and raises :class:`CacheError` naming the file on any m
 Tokenization runs in ``num_proc`` worker processes (``multiprocessing``; the tokenizer travels
 as its JSON string, ``Tokenizer.to_str`` / ``from_str``, and each worker sets
 ``TOKENIZERS_PARALLELISM=false`` so the Rust thread pool does not oversubscribe the cores). The
-reader streams raw lines to the workers in ~1 MiB chunks with a bounded in-flight window, so
-memory stays flat on big corpora; workers decode, parse, format and tokenize.
+reader streams raw lines to the workers in ~1 MiB chunks with a bounded in-flight window; workers
+decode, parse, format and tokenize, and return ids already in the cache dtype. A shard's chunks
+are held until its last one, joined and streamed into the Arrow file (no in-memory copy of the
+file), so host memory peaks near twice the shard's cache size (3 bytes/token with uint16), not
+at int64 copies of it.
 """
 
 from __future__ import annotations
@@ -72,22 +75,34 @@ def _atomic_write(path: str, data: bytes | memoryview) -> None:
 def _sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
+        for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _approx_nbytes(obj) -> int:
+    """Size of a raw item's payload: bytes as is, a decoded record by its strings (chunking only)."""
+    if isinstance(obj, (bytes, str)):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(_approx_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_approx_nbytes(v) for v in obj)
+    return 8
 
 
 # ---- worker side ------------------------------------------------------------------------------
 _W: dict[str, Any] = {}
 
 
-def _worker_init(tok_json: str, cfg: dict, strict: bool, in_worker: bool = True) -> None:
+def _worker_init(tok_json: str, cfg: dict, strict: bool, dtype: str = "uint32", in_worker: bool = True) -> None:
     if in_worker:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
     _W["fmt"] = Formatter(Tokenizer.from_str(tok_json), FormatConfig(**cfg))
     _W["strict"] = strict
+    _W["dtype"] = np.dtype(dtype)
 
 
 def _work(task):
@@ -107,8 +122,15 @@ def _work(task):
         ids.append(doc.input_ids)
         masks.append(doc.loss_mask)
         lens.append(len(doc.input_ids))
-    cat = lambda xs, dt: np.concatenate(xs).astype(dt, copy=False) if xs else np.zeros(0, dt)
-    return (shard_idx, last, cat(ids, np.int64), cat(masks, np.uint8), np.asarray(lens, np.int64),
+    # ids leave the worker in the cache's dtype: a shard waits in the parent until its last chunk,
+    # and int64 there would take 4x (uint16) the memory of the finished cache
+    dtype = _W["dtype"]
+    flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    if len(flat) and (flat.min() < 0 or flat.max() > np.iinfo(dtype).max):
+        raise ValueError(f"{items[0][1]} (chunk starting here): token id {int(flat.max())} does not fit the "
+                         f"cache dtype {dtype}")
+    masks_flat = np.concatenate(masks).astype(np.uint8, copy=False) if masks else np.zeros(0, np.uint8)
+    return (shard_idx, last, flat.astype(dtype), masks_flat, np.asarray(lens, np.int64),
             report.to_dict(), fmt.n_truncated - n0, nbytes)
 
 
@@ -118,19 +140,25 @@ def _write_shard(shards_dir: str, key: str, meta: dict, ids: np.ndarray, mask: n
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     off = pa.array(offsets, type=pa.int64())
-    batch = pa.record_batch(
+    batch = pa.record_batch(  # pa.array of a NumPy array without nulls wraps its buffer (no copy)
         [pa.LargeListArray.from_arrays(off, pa.array(ids.astype(dtype, copy=False))),
          pa.LargeListArray.from_arrays(off, pa.array(mask))],
         names=["input_ids", "loss_mask"],
     )
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, batch.schema) as w:
-        w.write_batch(batch)
-    buf = sink.getvalue()
     arrow_path = os.path.join(shards_dir, key + ".arrow")
-    _atomic_write(arrow_path, memoryview(buf))
-    meta = dict(meta, n_docs=int(len(lengths)), n_tokens=int(offsets[-1]), size=buf.size,
-                sha256=hashlib.sha256(memoryview(buf)).hexdigest(), sampled=shard_fingerprint(arrow_path))
+    tmp = f"{arrow_path}.tmp-{os.getpid()}"
+    try:  # streamed to a temporary file (no in-memory copy of the shard), hashed, then renamed
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, batch.schema) as w:
+            w.write_batch(batch)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        size, sha, sampled = os.path.getsize(tmp), _sha256_file(tmp), shard_fingerprint(tmp)
+        os.replace(tmp, arrow_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    meta = dict(meta, n_docs=int(len(lengths)), n_tokens=int(offsets[-1]), size=size, sha256=sha, sampled=sampled)
     _atomic_write(os.path.join(shards_dir, key + ".json"), json.dumps(meta, indent=1).encode())
     return meta
 
@@ -165,7 +193,8 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
                 mp_context: str | None = None, verify: str = "sample") -> TokenCache:
     """Tokenize ``sources`` (see ``sources.list_shards``) into ``cache_dir`` and open it.
 
-    Shards whose cache files already exist (same content, tokenizer, settings) are reused.
+    Shards whose cache files already exist (same content, tokenizer, settings) are reused, except
+    that a strict build re-reads a shard from which a lenient build skipped records (so it raises).
     ``strict=False`` skips bad records and reports them in ``cache.report``. ``mp_context``:
     multiprocessing start method (default: ``fork`` on Linux, the platform default elsewhere).
     """
@@ -185,6 +214,8 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
         key = hashlib.sha256(f"{CACHE_VERSION}|{fp}|{tok_hash}|{fmt_fp}|{dtype}".encode()).hexdigest()[:32]
         keys.append(key)
         meta = _reusable(shards_dir, key)
+        if meta is not None and strict and meta["skipped"]["counts"]:
+            meta = None  # a lenient build dropped records here: strict mode re-reads it to raise on the first
         if meta is not None:
             metas[i] = meta
         else:
@@ -197,7 +228,7 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
             items, nbytes = [], 0
             for item in iter_raw(sh, report):
                 items.append(item)
-                nbytes += len(item[0]) if isinstance(item[0], bytes) else 0
+                nbytes += _approx_nbytes(item[0])  # Parquet rows arrive as dicts: measure them too
                 if nbytes >= _CHUNK_BYTES or len(items) >= _CHUNK_ITEMS:
                     yield i, items, nbytes, False
                     items, nbytes = [], 0
@@ -225,19 +256,19 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
             sh, fp = info[i]
             meta = {"source": sh.path, "source_fingerprint": fp, "skipped": srep.to_dict(),
                     "n_truncated": int(sum(p[4] for p in parts))}
-            metas[i] = _write_shard(shards_dir, keys[i], meta, np.concatenate([p[0] for p in parts]),
-                                    np.concatenate([p[1] for p in parts]),
-                                    np.concatenate([p[2] for p in parts]), dtype)
+            ids, mask, lens = (np.concatenate([p[j] for p in parts]) for j in range(3))
+            del parts  # the chunks are copied: free them before writing
+            metas[i] = _write_shard(shards_dir, keys[i], meta, ids, mask, lens, dtype)
 
         cfg = asdict(config)
         if num_proc <= 1:
-            _worker_init(tok_json, cfg, strict, in_worker=False)
+            _worker_init(tok_json, cfg, strict, dtype.name, in_worker=False)
             for t in tasks():
                 handle(_work(t))
         else:
             method = mp_context or ("fork" if sys.platform.startswith("linux") else None)
             ctx = mp.get_context(method)
-            with ctx.Pool(num_proc, initializer=_worker_init, initargs=(tok_json, cfg, strict)) as pool:
+            with ctx.Pool(num_proc, initializer=_worker_init, initargs=(tok_json, cfg, strict, dtype.name)) as pool:
                 pending: collections.deque = collections.deque()
                 for t in tasks():  # bounded window keeps memory flat and results in order
                     pending.append(pool.apply_async(_work, (t,)))

@@ -18,16 +18,19 @@ is checked to equal the plain rendering). Each span is extended over the turn-en
 immediately follows it (``turn_end``: ``<|im_end|>`` for chatml, ``<|eot_id|>`` for llama3, the
 EOS text otherwise) so the model learns to stop. A token carries loss iff its character range
 (from the tokenizer's offsets) overlaps an assistant span. ``loss_on="all"`` puts every token in
-the loss.
+the loss. A record whose every assistant turn is blank is reported as ``empty_response`` (with
+loss on assistant turns only, it would teach the model to answer with nothing).
 
 Labels. This module returns a 0/1 ``loss_mask`` aligned with ``input_ids``; the collator and
 packer turn it into ``labels`` aligned with ``input_ids`` (same position, *not* shifted: the
 loss compares logits[t] with labels[t + 1]), with -100 where the mask is 0.
 
-Truncation (``max_length``). ``truncation="prompt_left"`` (default) removes tokens without loss
-from the left (the earliest prompt tokens; a leading BOS is kept) until the record fits, and only
-if the prompt is exhausted cuts response tokens from the right; ``"right"`` keeps the first
-``max_length`` tokens. Truncated records are counted in ``Formatter.n_truncated``.
+Truncation (``max_length``). ``truncation="prompt_left"`` (default) cuts the leading prompt (the
+tokens without loss before the first response token; a leading BOS is kept) from the left until
+the record fits, and only if that prompt is exhausted cuts what remains from the right (response
+tokens, later turns); the result is always one contiguous window of the record (after the BOS).
+``"right"`` keeps the first ``max_length`` tokens. Truncated records are counted in
+``Formatter.n_truncated``.
 
 EOS is explicit: ``add_bos`` / ``add_eos`` (text default: no BOS, EOS appended; chat: the
 template decides BOS, ``add_eos`` appends EOS after the rendered conversation).
@@ -137,7 +140,12 @@ class Formatter:
         self.n_truncated = 0
 
     def _token_id(self, tok, name):
-        if tok is None or isinstance(tok, int):
+        if isinstance(tok, int):
+            n = self.tok.get_vocab_size(with_added_tokens=True)
+            if not 0 <= tok < n:
+                raise ValueError(f"FormatConfig.{name}={tok} is not a token id (vocabulary of {n})")
+            return tok
+        if tok is None:
             return tok
         i = self.tok.token_to_id(tok)
         if i is None:
@@ -177,6 +185,11 @@ class Formatter:
                 return None
         if all(not m["content"].strip() for m in msgs):
             report.add("empty_document", where, "all message contents are empty")
+            return None
+        answers = [m for m in msgs if m["role"] == "assistant"]
+        if c.loss_on == "assistant" and answers and all(not m["content"].strip() for m in answers):
+            # only the turn end would carry loss: the model would learn to answer with nothing
+            report.add("empty_response", where, "every assistant turn is empty")
             return None
         return msgs
 
@@ -267,11 +280,12 @@ class Formatter:
         L = self.cfg.max_length
         if self.cfg.truncation == "right":
             return ids[:L], mask[:L]
-        n_cut = len(ids) - L
-        keep = np.ones(len(ids), dtype=bool)
         first = 1 if (self.cfg.add_bos or (len(ids) and ids[0] == self.bos_id)) else 0
-        prompt = np.flatnonzero(mask[first:] == 0) + first
-        drop = prompt[:n_cut]  # earliest prompt tokens first
-        keep[drop] = False
-        ids, mask = ids[keep], mask[keep]
-        return ids[:L], mask[:L]  # prompt exhausted: cut the response from the right
+        # the leading prompt: tokens without loss before the first response token (a BOS stays).
+        # Only this prefix is cut: deleting later no-loss tokens (a second user turn, a header)
+        # would splice responses into a sequence that never occurred.
+        lead = int(np.argmax(mask[first:] != 0)) if mask[first:].any() else len(ids) - first
+        k = min(len(ids) - L, lead)
+        ids = np.concatenate([ids[:first], ids[first + k :]])
+        mask = np.concatenate([mask[:first], mask[first + k :]])
+        return ids[:L], mask[:L]  # leading prompt exhausted: cut the rest from the right

@@ -24,7 +24,11 @@ Workers. Each step of a rank is one item of a map-style dataset, fetched by a
 ``num_workers``, ``pin_memory`` and ``prefetch_factor`` work as usual; DataLoader hands step
 indices to workers round-robin and returns results in index order, so workers never overlap.
 
-Resume. ``state_dict()`` is ``{epoch, step}`` plus the settings that define the order;
+A dataset with fewer units than one global step is refused with ``drop_last=True`` (every
+epoch would be empty).
+
+Resume. ``state_dict()`` is ``{epoch, step}`` plus the settings that define the order and the
+data's size (units, tokens);
 ``step`` counts batches already handed to the user (prefetched batches are not counted), so
 ``load_state_dict`` followed by iteration yields exactly the batches not yet seen.
 ``set_epoch(e)`` with a new epoch starts it at step 0; iterating a finished epoch yields nothing
@@ -88,6 +92,9 @@ class TokenLoader:
             raise ValueError("packing=True needs seq_len")
         if packing and group_by_length:
             raise ValueError("group_by_length applies to padded batches (packing=False)")
+        if group_by_length and not shuffle:
+            raise ValueError("group_by_length shuffles the documents (random mega-batches); it cannot honour "
+                             "shuffle=False")
         r0, w0 = _dist_rank_world()
         self.rank = r0 if rank is None else rank
         self.world_size = w0 if world_size is None else world_size
@@ -101,8 +108,20 @@ class TokenLoader:
         self.opts = {"pad_id": pad_id, "pad_to_multiple_of": pad_to_multiple_of, "max_length": max_length,
                      "padding_side": padding_side}
         self.lengths = np.asarray(docs.lengths, dtype=np.int64)
+        if not packing and max_length is not None and len(self.lengths) and self.lengths.max() > max_length:
+            over = np.flatnonzero(self.lengths > max_length)
+            raise ValueError(f"{len(over)} documents exceed max_length={max_length} (first: document {int(over[0])}, "
+                             f"{int(self.lengths[over[0]])} tokens); truncate them when formatting "
+                             "(FormatConfig.max_length)")
+        self.overflow = overflow
         self.plan = pack(self.lengths, seq_len, overflow, pack_backend) if packing else None
         self.n_units = self.plan.n_rows if packing else len(self.lengths)
+        G = batch_size * self.world_size
+        if drop_last and self.n_units < G:  # every epoch would be empty: refuse rather than train on nothing
+            what = "packed rows" if packing else "documents"
+            raise ValueError(f"{self.n_units} {what} < one global batch of {G} (batch_size {batch_size} x "
+                             f"world_size {self.world_size}): with drop_last=True no batch would ever be "
+                             "yielded; lower batch_size or pass drop_last=False")
         self.epoch, self.step = 0, 0
         self._steps_cache: tuple[int, list] | None = None
 
@@ -141,19 +160,22 @@ class TokenLoader:
             self.epoch, self.step = epoch, 0
 
     def _identity(self) -> dict:
-        return {"seed": self.seed, "n_units": self.n_units, "batch_size": self.batch_size,
-                "world_size": self.world_size, "rank": self.rank, "packing": self.packing,
-                "seq_len": self.seq_len, "shuffle": self.shuffle, "drop_last": self.drop_last,
-                "group_by_length": self.group_by_length}
+        # everything the order of units depends on, plus the data's size (n_units, n_tokens)
+        return {"seed": self.seed, "n_units": self.n_units, "n_tokens": int(self.lengths.sum()),
+                "batch_size": self.batch_size, "world_size": self.world_size, "rank": self.rank,
+                "packing": self.packing, "seq_len": self.seq_len, "overflow": self.overflow,
+                "shuffle": self.shuffle, "drop_last": self.drop_last, "group_by_length": self.group_by_length,
+                "mega_batch_mult": self.mega_batch_mult}
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step": self.step, **self._identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        for k, v in self._identity().items():
-            if k in state and state[k] != v:
-                raise ValueError(f"loader state mismatch on {k!r}: saved {state[k]!r}, this loader has {v!r} "
-                                 "(the data order would differ, so exact resume is impossible)")
+        bad = [f"{k!r}: saved {state[k]!r}, this loader has {v!r}"
+               for k, v in self._identity().items() if k in state and state[k] != v]
+        if bad:
+            raise ValueError(f"loader state mismatch on {'; '.join(bad)} (the data or its order would "
+                             "differ, so exact resume is impossible)")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
 
     # -- iteration --------------------------------------------------------------------------------

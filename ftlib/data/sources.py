@@ -3,7 +3,7 @@
 A *shard* is one file on disk (a .jsonl, .jsonl.gz, .parquet, .txt or .tar file); the token
 cache tokenizes and stores each shard separately, so adding shards to a corpus only tokenizes
 the new ones. ``list_shards(spec)`` expands a path, a directory (recursively, sorted), a glob,
-or ``hf://datasets/owner/name[@revision]`` into shards; ``iter_raw(shard)`` streams the shard's
+or ``hf://datasets/owner/name[@revision][/path or glob]`` into shards; ``iter_raw(shard)`` streams the shard's
 *raw items* — undecoded bytes for line/text formats, dicts for Parquet — each with a location
 string ``file:line`` (``file!member:line`` inside a tar). ``decode_item`` turns a raw item into a
 record dict; it is split from reading so that decoding and JSON parsing run in the tokenizer
@@ -137,15 +137,21 @@ def _kind_of(path: str) -> str | None:
     return None
 
 
-def resolve_hub_dataset(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+def resolve_hub_dataset(repo_id: str, revision: str | None = None, cache_dir: str | None = None,
+                        path: str | None = None) -> str:
     """Download (or find in the local hub cache) a dataset repo; return its local directory.
 
-    Only data files are fetched (``allow_patterns`` on the supported extensions); no code
-    that comes with the dataset is ever run.
+    Only data files are fetched (``allow_patterns`` on the supported extensions, under ``path``
+    when given: a file, directory or glob inside the repo); no code that comes with the dataset
+    is ever run.
     """
     from huggingface_hub import snapshot_download
 
-    patterns = [f"*{e}" for e in SUPPORTED_EXTS]
+    if path and _kind_of(path) is not None:  # a file or a glob of files: fetch exactly those
+        patterns = [path]
+    else:
+        prefix = f"{path.rstrip('/')}/" if path else ""
+        patterns = [f"{prefix}*{e}" for e in SUPPORTED_EXTS]
     return snapshot_download(
         repo_id=repo_id, repo_type="dataset", revision=revision, cache_dir=cache_dir, allow_patterns=patterns
     )
@@ -155,7 +161,9 @@ def list_shards(spec: str | os.PathLike | list, hub_cache_dir: str | None = None
     """Expand a source spec into shards, in a stable sorted order.
 
     ``spec``: a file, a directory (searched recursively), a glob pattern,
-    ``hf://datasets/owner/name[@revision]``, or a list of these.
+    ``hf://datasets/owner/name[@revision][/path]``, or a list of these. Without a path the whole
+    repo is read, every split together; a path (file, directory or glob inside the repo, e.g.
+    ``data/train-*.parquet``) selects one, and only its files are downloaded.
     """
     if isinstance(spec, (list, tuple)):
         out: list[Shard] = []
@@ -164,8 +172,11 @@ def list_shards(spec: str | os.PathLike | list, hub_cache_dir: str | None = None
         return out
     spec = os.fspath(spec)
     if spec.startswith("hf://datasets/"):
-        repo, _, rev = spec[len("hf://datasets/") :].partition("@")
-        spec = resolve_hub_dataset(repo, rev or None, hub_cache_dir)
+        owner, _, rest = spec[len("hf://datasets/") :].partition("/")
+        name_rev, _, sub = rest.partition("/")
+        name, _, rev = name_rev.partition("@")
+        local = resolve_hub_dataset(f"{owner}/{name}", rev or None, hub_cache_dir, sub or None)
+        spec = os.path.join(local, sub) if sub else local
     if os.path.isdir(spec):
         files = []
         for root, dirs, names in os.walk(spec, followlinks=True):

@@ -25,6 +25,8 @@ holds one tensor at a time (the largest, the embedding, is ~1 GB).
 Every file ``save_pretrained`` writes goes to a temporary name in the target
 directory and is renamed into place; the index (when sharded) is written after
 the shards it names, and stale weight files from an earlier save are removed.
+A sharded save over an earlier one removes the old index first, so a crash in
+the middle leaves a directory that fails to load, never a mix of two saves.
 """
 
 from __future__ import annotations
@@ -197,7 +199,11 @@ def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_
     limit = parse_size(max_shard_size)
     state = model.state_dict()
     if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+        head, emb = state.pop("lm_head.weight", None), state.get("model.embed_tokens.weight")
+        if head is not None and emb is not None and head.data_ptr() != emb.data_ptr() and not torch.equal(head, emb):
+            # a loader rebuilds lm_head from the embedding: the trained head would be lost silently
+            raise ValueError(f"{root}: config says tie_word_embeddings=True, but lm_head.weight differs from "
+                             "model.embed_tokens.weight; re-tie them or set tie_word_embeddings=False")
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
 
     shards: list[list[str]] = [[]]
@@ -212,6 +218,10 @@ def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_
     n = len(shards)
     names = [_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
+    if n > 1 and (root / _INDEX).exists():
+        # The old index would bind new shards to old ones of the same names if a crash cut this
+        # save short; without it, a half-written save fails to load instead of loading a mix.
+        (root / _INDEX).unlink()
     written = []
     for fname, keys in zip(names, shards):
         tensors = {k: state[k].detach().to("cpu").contiguous() for k in keys}

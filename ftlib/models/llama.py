@@ -21,7 +21,11 @@ Three batch layouts (see DESIGN.md, "Batch"):
 
 - plain: ``input_ids`` [B, T], causal attention, positions 0..T-1;
 - padded: plus ``attention_mask`` [B, T] (1 = token, 0 = pad; left or right
-  padding); pads are masked as keys and positions count real tokens only;
+  padding); positions count real tokens only. When each row's real tokens are
+  one run (left or right padding), the batch runs as varlen segments (the run,
+  and each pad run on its own), which the fused kernels take; a dense key mask
+  would send every layer to the reference attention, whose T x T scores do not
+  fit at 8B scale. Other masks (holes inside a row) use the dense key mask;
 - packed: plus ``cu_seqlens`` int32 [n_docs + 1] over the flattened B*T tokens
   (and ``position_ids`` restarting at 0 per document, derived from cu_seqlens
   when absent); the varlen attention keeps every document separate.
@@ -29,6 +33,8 @@ Three batch layouts (see DESIGN.md, "Batch"):
 Decoding passes a ``KVCache`` (``ftlib.models.generate``): the new K/V are
 written at the cache position and the queries attend over the whole cache with
 bottom-right causal alignment and a key mask hiding padded prompt slots. The
+prompt pass over an empty cache attends over its own tokens only, so it runs as
+varlen segments like a padded batch (fused kernels, no T x T score matrix). The
 model itself holds no inference state.
 
 Activation checkpointing (non-reentrant) is a switch:
@@ -111,8 +117,10 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
+        if a.kv_cache is not None:  # write these T keys/values; (B, L, Hkv, D) over the slots so far
+            k_all, v_all, key_mask = a.kv_cache.update(self.layer_idx, k, v)
         if a.cu_seqlens is not None:
-            # varlen: (B*T, H, D); documents never see each other
+            # varlen: (B*T, H, D); documents never see each other (also the prefill of an empty cache)
             o = attention(
                 q.reshape(b * t, self.num_heads, self.head_dim),
                 k.reshape(b * t, self.num_kv_heads, self.head_dim),
@@ -120,8 +128,7 @@ class LlamaAttention(nn.Module):
                 causal=True, cu_seqlens=a.cu_seqlens, max_seqlen=a.max_seqlen, softmax_scale=self.scale,
             )
         elif a.kv_cache is not None:
-            # decode: keys are the cache up to and including these T tokens, (B, L, Hkv, D)
-            k_all, v_all, key_mask = a.kv_cache.update(self.layer_idx, k, v)
+            # decode: keys are the cache up to and including these T tokens
             o = attention(q, k_all, v_all, causal=True, softmax_scale=self.scale, key_padding_mask=key_mask)
         else:
             o = attention(q, k, v, causal=True, softmax_scale=self.scale, key_padding_mask=a.key_padding_mask)
@@ -216,14 +223,24 @@ class LlamaModel(nn.Module):
                 position_ids = _positions_from_cu_seqlens(cu_seqlens, b, t)
             longest = max_seqlen
         elif kv_cache is not None:
+            first = kv_cache.length == 0
             default_pos = kv_cache.prepare(attention_mask, t)
             position_ids = default_pos if position_ids is None else position_ids
             longest = kv_cache.length + t
+            if first and t > 1:  # prefill: only the new tokens are keys, so left padding is segments too
+                mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+                segments = _padding_to_cu_seqlens(mask)
+                if segments is not None:
+                    cu_seqlens, max_seqlen = segments
         else:
             if attention_mask is not None:
-                key_mask = attention_mask.bool()
                 if position_ids is None:  # count real tokens only: left padding starts at 0 too
                     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+                segments = _padding_to_cu_seqlens(attention_mask.bool())
+                if segments is None:  # real tokens not one run per row: dense key mask (reference only)
+                    key_mask = attention_mask.bool()
+                else:  # same result for real tokens, and the fused varlen kernels apply
+                    cu_seqlens, max_seqlen = segments
             if position_ids is None:
                 position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
             longest = t
@@ -243,6 +260,28 @@ class LlamaModel(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(t)
         return self.norm(x)
+
+
+def _padding_to_cu_seqlens(mask: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """Varlen segments for a padded batch whose real tokens form one run per row, else None.
+
+    mask (B, T) bool. Row r's run [s, e) and its pads [0, s), [e, T) each become a segment of
+    the flattened B*T tokens, so real tokens attend exactly to the real tokens before them (as
+    with a key mask) and pads only to pads. Empty segments are dropped; returns
+    (cu_seqlens int32 [n_segments + 1], max_seqlen).
+    """
+    b, t = mask.shape
+    edges = torch.diff(F.pad(mask.to(torch.int8), (1, 1)), dim=-1)  # (B, T+1): +1 run start, -1 run end
+    starts, ends = edges == 1, edges == -1
+    if bool((starts.sum(-1) > 1).any()):
+        return None
+    s = starts.to(torch.int8).argmax(-1)  # 0 for a row without real tokens (then e = 0 too)
+    e = ends.to(torch.int8).argmax(-1)
+    zero = torch.zeros_like(s)
+    bounds = torch.stack([zero, s, e], dim=-1) + torch.arange(b, device=mask.device)[:, None] * t  # (B, 3)
+    bounds = torch.cat([bounds.reshape(-1), bounds.new_tensor([b * t])])
+    cu = torch.unique_consecutive(bounds).to(torch.int32)  # non-decreasing already: drop empty segments
+    return cu, int((cu[1:] - cu[:-1]).max())
 
 
 def _positions_from_cu_seqlens(cu_seqlens: torch.Tensor, b: int, t: int) -> torch.Tensor:

@@ -1,5 +1,7 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ftlib.data import DataError, FormatConfig, Formatter, SkipReport, render_chat
 
@@ -129,3 +131,78 @@ def test_template_is_sandboxed(tokenizer):
     fmt = Formatter(tokenizer, FormatConfig(kind="chat", chat_template=evil))
     with pytest.raises(DataError, match="template_error"):
         fmt({"messages": [{"role": "assistant", "content": "hi"}]}, "x:1", SkipReport())
+
+
+def _is_window(part: np.ndarray, whole: np.ndarray) -> bool:
+    n = len(part)
+    return any(np.array_equal(whole[k : k + n], part) for k in range(len(whole) - n + 1))
+
+
+@pytest.mark.parametrize("max_length", [12, 20, 26])
+def test_truncating_a_multi_turn_chat_keeps_one_contiguous_window(tokenizer, max_length):
+    """Cutting the prompt from the left never deletes tokens from the middle (a later user turn)."""
+    rec = {"messages": [{"role": "user", "content": "why is the sky blue"},
+                        {"role": "assistant", "content": "because of Rayleigh scattering"},
+                        {"role": "user", "content": "the quick brown fox jumps over the lazy dog"},
+                        {"role": "assistant", "content": "hello world"}]}
+    cfg = dict(kind="chat", chat_template="chatml")
+    full = Formatter(tokenizer, FormatConfig(**cfg))(rec, "x:1", SkipReport())
+    lead = int(np.argmax(full.loss_mask))  # prompt tokens before the first response token
+    assert len(full.input_ids) - max_length > lead  # cutting only the leading prompt is not enough
+    doc = Formatter(tokenizer, FormatConfig(**cfg, max_length=max_length))(rec, "x:1", SkipReport())
+    assert len(doc.input_ids) == max_length and _is_window(doc.input_ids, full.input_ids)
+    # the leading prompt went first: the window starts at the first response token
+    assert np.array_equal(doc.input_ids, full.input_ids[lead : lead + max_length])
+    assert np.array_equal(doc.loss_mask, full.loss_mask[lead : lead + max_length])
+
+
+@pytest.mark.parametrize("kind,rec", [
+    ("chat", {"messages": [{"role": "user", "content": "why is the sky blue"}, {"role": "assistant", "content": ""}]}),
+    ("instruction", {"prompt": "why is the sky blue", "response": "  \n"}),
+])
+def test_empty_response_is_reported_not_trained_on(tokenizer, kind, rec):
+    """A blank answer would train the model to stop at once (only the turn end carries loss)."""
+    fmt = Formatter(tokenizer, FormatConfig(kind=kind, chat_template="chatml"))
+    with pytest.raises(DataError, match="r.jsonl:4: empty_response"):
+        fmt(rec, "r.jsonl:4", SkipReport())
+    rep = SkipReport(strict=False)
+    assert fmt(rec, "r.jsonl:4", rep) is None and rep.counts == {"empty_response": 1}
+    # with loss on every token the record still has something to teach
+    assert Formatter(tokenizer, FormatConfig(kind=kind, chat_template="chatml", loss_on="all"))(
+        rec, "r.jsonl:4", SkipReport()) is not None
+
+
+def test_special_token_ids_outside_the_vocabulary_are_refused(tokenizer):
+    """An int id past the vocabulary would wrap silently when stored as uint16 in the cache."""
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    with pytest.raises(ValueError, match=rf"FormatConfig.eos_token={n + 65536} is not a token id \(vocabulary of {n}\)"):
+        Formatter(tokenizer, FormatConfig(kind="text", eos_token=n + 65536))
+    with pytest.raises(ValueError, match="bos_token=-1"):
+        Formatter(tokenizer, FormatConfig(kind="text", eos_token=3, bos_token=-1, add_bos=True))
+    assert Formatter(tokenizer, FormatConfig(kind="text", eos_token=n - 1)).eos_id == n - 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=2, max_size=40), st.integers(1, 40), st.booleans())
+def test_prompt_left_truncation_invariants(tokenizer, loss, max_length, bos):
+    """Invariants: one window after the BOS; the leading prompt goes before any loss token; fits the limit."""
+    fmt = Formatter(tokenizer, FormatConfig(kind="text", eos_token="</s>", bos_token="<s>", max_length=max_length))
+    ids = np.arange(100, 100 + len(loss), dtype=np.int64)
+    mask = np.asarray(loss, dtype=np.uint8)
+    if bos:
+        ids[0], mask[0] = fmt.bos_id, 0
+    if len(ids) <= max_length:
+        return
+    got, got_mask = fmt._truncate(ids, mask)
+    first = int(bos)
+    assert len(got) == max_length and np.array_equal(got[:first], ids[:first])
+    body = got[first:]
+    if not len(body):  # max_length 1 keeps the BOS alone
+        return
+    k = int(body[0] - ids[first])  # window start (token values are positions)
+    assert np.array_equal(body, ids[first + k : first + k + len(body)])
+    assert np.array_equal(got_mask[first:], mask[first + k : first + k + len(body)])
+    assert not mask[first : first + k].any()  # only no-loss tokens were cut on the left
+    lead = int(np.argmax(mask[first:] != 0)) if mask[first:].any() else len(ids) - first
+    if k < lead:  # the leading prompt was not used up: nothing was cut on the right
+        assert first + k + len(body) == len(ids)

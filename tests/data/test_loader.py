@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlib.data import TokenLoader, build_cache
+from ftlib.data import TokenLoader, build_cache, pack
 
 
 class MemDocs:
@@ -31,6 +31,11 @@ def _tokens(batches):
 @given(st.integers(1, 60), st.integers(1, 4), st.integers(1, 4), st.booleans(), st.booleans(), st.integers(0, 3))
 def test_ranks_partition_every_epoch(n, batch_size, world, packing, drop_last, epoch):
     docs = MemDocs(_lengths(n, n))
+    n_units = pack(docs.lengths, 48).n_rows if packing else n
+    if drop_last and n_units < batch_size * world:  # no batch at all: refused
+        with pytest.raises(ValueError, match="no batch would ever be yielded"):
+            TokenLoader(docs, batch_size=batch_size, pad_id=0, seq_len=48, packing=packing, world_size=world, rank=0)
+        return
     loaders = [TokenLoader(docs, batch_size=batch_size, pad_id=0, seq_len=48, packing=packing, rank=r,
                            world_size=world, drop_last=drop_last, seed=7) for r in range(world)]
     units = np.concatenate([np.concatenate(L.rank_steps(epoch) or [np.zeros(0, int)]) for L in loaders])
@@ -146,3 +151,39 @@ def test_chat_cache_to_packed_batches_end_to_end(tmp_path, tokenizer, write_json
                 got.append(tokenizer.decode(lab[lab != -100].tolist(), skip_special_tokens=False))
     want = ["because of Rayleigh scattering" + " hi" * i + "<|im_end|>" for i in range(12)]
     assert sorted(got) == sorted(want)
+
+
+def test_too_few_units_for_one_global_step_is_an_error_not_an_empty_epoch():
+    docs = MemDocs(_lengths(5))
+    with pytest.raises(ValueError, match=r"5 documents < one global batch of 6 \(batch_size 3 x world_size 2\)"):
+        TokenLoader(docs, batch_size=3, pad_id=0, packing=False, rank=0, world_size=2)
+    loader = TokenLoader(docs, batch_size=3, pad_id=0, packing=False, rank=1, world_size=2, drop_last=False)
+    assert len(loader) == 1  # without drop_last the tail is still served
+
+
+def test_state_mismatch_on_order_settings_and_data():
+    docs = MemDocs(_lengths(30))
+    kw = dict(batch_size=2, pad_id=0, packing=False, group_by_length=True)
+    s = TokenLoader(docs, **kw).state_dict()
+    with pytest.raises(ValueError, match="'mega_batch_mult'"):
+        TokenLoader(docs, mega_batch_mult=4, **kw).load_state_dict(s)
+    other = MemDocs(_lengths(30, seed=1))  # same number of documents, different data
+    with pytest.raises(ValueError, match="'n_tokens'"):
+        TokenLoader(other, **kw).load_state_dict(s)
+    s = TokenLoader(docs, batch_size=2, pad_id=0, seq_len=16).state_dict()
+    with pytest.raises(ValueError, match="'overflow'"):
+        TokenLoader(docs, batch_size=2, pad_id=0, seq_len=16, overflow="truncate").load_state_dict(s)
+
+
+def test_group_by_length_with_shuffle_off_is_refused():
+    """Length grouping draws a random order; shuffle=False would be ignored silently."""
+    with pytest.raises(ValueError, match="group_by_length shuffles"):
+        TokenLoader(MemDocs(_lengths(20)), batch_size=2, pad_id=0, packing=False, group_by_length=True, shuffle=False)
+
+
+def test_documents_over_max_length_are_refused_up_front_by_index():
+    """Not mid-epoch inside a worker, with a batch-local index that names no document."""
+    lengths = np.array([5, 9, 3, 12, 4, 4])
+    with pytest.raises(ValueError, match=r"2 documents exceed max_length=8 \(first: document 1, 9 tokens\)"):
+        TokenLoader(MemDocs(lengths), batch_size=2, pad_id=0, packing=False, max_length=8)
+    assert len(TokenLoader(MemDocs(lengths), batch_size=2, pad_id=0, packing=False, max_length=12)) == 3

@@ -144,3 +144,27 @@ def test_truncated_gzip_and_tar_links(tmp_path, write_jsonl):
         tf.addfile(ti)
     texts, rep = _texts(str(t), strict=False)
     assert texts == [] and rep.counts == {"unsafe_tar_member": 1}
+
+
+def test_hub_dataset_path_inside_the_repo_selects_a_split(tmp_path, monkeypatch, write_jsonl):
+    """hf://datasets/org/name@rev/<path or glob> reads (and fetches) only those files, e.g. the train split."""
+    local = tmp_path / "snap"
+    (local / "data").mkdir(parents=True)
+    write_jsonl(local / "data" / "train-0.jsonl", [{"text": "train"}])
+    write_jsonl(local / "data" / "test-0.jsonl", [{"text": "test"}])
+    calls = []
+
+    def fake_snapshot_download(**kw):
+        calls.append(kw)
+        return str(local)
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert _texts("hf://datasets/org/name@v1/data/train-*.jsonl")[0] == ["train"]
+    assert calls[-1]["repo_id"] == "org/name" and calls[-1]["revision"] == "v1"
+    assert calls[-1]["allow_patterns"] == ["data/train-*.jsonl"]  # the test split is not even downloaded
+    assert sorted(_texts("hf://datasets/org/name/data")[0]) == ["test", "train"]
+    assert calls[-1]["revision"] is None and "data/*.jsonl" in calls[-1]["allow_patterns"]
+    with pytest.raises(DataError, match="no such file"):
+        list_shards("hf://datasets/org/name/valid-*.jsonl")

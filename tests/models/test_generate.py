@@ -119,3 +119,23 @@ def test_kv_cache_property_left_padding(make_model, pads, seed):
     ids = ids * mask
     assert torch.equal(generate(model, ids, attention_mask=mask, max_new_tokens=4),
                        _greedy_recompute(model, ids, mask, 4))
+
+
+def test_prefill_runs_as_varlen_and_decode_reads_the_cache(make_model, monkeypatch):
+    """The prompt pass over an empty cache takes the varlen path (fused kernels, no T x T scores)."""
+    import ftlib.models.llama as llama
+
+    calls = []
+    real = llama.attention
+    monkeypatch.setattr(llama, "attention", lambda *a, **k: calls.append((a[0].dim(), k)) or real(*a, **k))
+    model = make_model("qwen2").double()
+    ids = torch.randint(1, 128, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    got = generate(model, ids * mask, attention_mask=mask, max_new_tokens=3)
+    n_layers = model.config.num_hidden_layers
+    prefill, decode = calls[:n_layers], calls[n_layers:]
+    assert all(dim == 3 and k["cu_seqlens"].tolist() == [0, 6, 10, 12] for dim, k in prefill)
+    assert decode and all(dim == 4 and k["key_padding_mask"] is not None for dim, k in decode)
+    calls.clear()
+    assert torch.equal(got, _greedy_recompute(model, ids * mask, mask, 3))

@@ -173,3 +173,39 @@ def test_failed_save_leaves_no_half_file(make_model, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         save_pretrained(make_model(), tmp_path)
     assert os.listdir(tmp_path) == []
+
+
+def test_crash_while_overwriting_a_sharded_save_never_loads_a_mix(make_model, tmp_path, monkeypatch):
+    """Re-saving into a directory: a crash after some shards must not leave old + new shards that load."""
+    import safetensors.torch
+
+    old, new = make_model(seed=0), make_model(seed=1)
+    save_pretrained(old, tmp_path, max_shard_size="20KB")
+    real, n = safetensors.torch.save_file, []
+
+    def dies_on_second_shard(tensors, path, metadata=None):
+        n.append(path)
+        if len(n) == 2:
+            raise KeyboardInterrupt
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_on_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        save_pretrained(new, tmp_path, max_shard_size="20KB")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+        load_pretrained(tmp_path)
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    save_pretrained(new, tmp_path, max_shard_size="20KB")
+    got = load_pretrained(tmp_path)
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in new.state_dict().items())
+
+
+def test_save_refuses_to_drop_an_untied_lm_head(make_model, tmp_path):
+    """tie_word_embeddings=True stores no lm_head; one that no longer equals the embedding would be lost."""
+    model = make_model("qwen2")  # tied
+    save_pretrained(model, tmp_path / "ok")  # tied: fine, and lm_head is not stored
+    assert "lm_head.weight" not in load_file(str(tmp_path / "ok" / "model.safetensors"))
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() + 0.5)  # untied and changed
+    with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        save_pretrained(model, tmp_path / "bad")
+    assert not (tmp_path / "bad" / "model.safetensors").exists()

@@ -224,3 +224,40 @@ def test_packing_invariant_property(make_model, lengths, rows, seed):
         for i, d in enumerate(docs):
             torch.testing.assert_close(packed[bounds[i]:bounds[i + 1]], model(d[None])[0], rtol=1e-10, atol=1e-10)
 
+
+
+def test_padded_batches_run_as_varlen_so_fused_kernels_apply(make_model, monkeypatch):
+    """Left/right padding becomes cu_seqlens (no dense key mask, which only the O(T^2) reference takes).
+
+    Real tokens' logits and every gradient of a loss over real tokens equal each document run alone.
+    """
+    import ftlib.models.llama as llama
+
+    calls = []
+    real = llama.attention
+    monkeypatch.setattr(llama, "attention", lambda *a, **k: calls.append(k) or real(*a, **k))
+    model = make_model("qwen2").double()
+    docs = _doc_batch([6, 2, 4])
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        fn().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = grads(lambda: sum(model(d[None])[0].pow(2).sum() for d in docs))
+    for left in (False, True):
+        ids, mask = _padded(docs, left)
+        calls.clear()
+        got = grads(lambda ids=ids, mask=mask: model(ids, attention_mask=mask)[mask.bool()].pow(2).sum())
+        assert calls and all(k.get("key_padding_mask") is None and k["cu_seqlens"] is not None for k in calls)
+        # rows of T=6: [6 real] [2 real | 4 pad] [4 real | 2 pad], or the pads first when left-padded
+        want_cu = [0, 6, 10, 12, 14, 18] if left else [0, 6, 8, 12, 16, 18]
+        assert calls[0]["cu_seqlens"].tolist() == want_cu and calls[0]["max_seqlen"] == 6
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-12, msg=f"{n} left={left}")
+    # a mask with a hole inside a row cannot be segments: it keeps the dense key mask
+    mask = torch.ones(1, 5, dtype=torch.long)
+    mask[0, 2] = 0
+    calls.clear()
+    model(torch.randint(0, 128, (1, 5)), attention_mask=mask)
+    assert all(k.get("key_padding_mask") is not None for k in calls)
