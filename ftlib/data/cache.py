@@ -13,9 +13,10 @@ tokenizes only the new ones. Token ids are stored as uint16 when the vocabulary 
 65536 entries, else uint32. The large_list offsets are the per-document offsets: document i of
 a shard is ``values[offsets[i]:offsets[i+1]]``, a NumPy view into the memory map.
 
-Crash safety and integrity. Each file is written to ``<name>.tmp-<pid>`` and ``os.replace``d
-into place; the metadata is written after its Arrow file and the manifest after all shards, so
-an interrupted build never leaves a cache that opens as valid. The metadata records the file's
+Crash safety and integrity. Each file is written to ``.<name>.tmp-<pid>``, fsynced and
+``os.replace``d into place (``ftlib._atomic``); the metadata is written after its Arrow file
+and the manifest after all shards, so an interrupted build never leaves a cache that opens
+as valid. The metadata records the file's
 size, its full SHA-256 and the sampled fingerprint of ``sources.shard_fingerprint``; opening
 checks the size and the sampled hash (``verify="sample"``, ~3 MiB read per shard) or the full
 hash (``verify="full"``) and raises :class:`CacheError` naming the file on any mismatch.
@@ -44,6 +45,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .._atomic import atomic_write
 from .formatting import FormatConfig, Formatter
 from .sources import SkipReport, decode_item, iter_raw, list_shards, shard_fingerprint
 
@@ -56,20 +58,6 @@ _CHUNK_ITEMS = 4096
 
 class CacheError(RuntimeError):
     """A missing, truncated or altered cache file; the message names it."""
-
-
-def _atomic_write(path: str, data: bytes | memoryview) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _sha256_file(path: str) -> str:
@@ -146,20 +134,17 @@ def _write_shard(shards_dir: str, key: str, meta: dict, ids: np.ndarray, mask: n
         names=["input_ids", "loss_mask"],
     )
     arrow_path = os.path.join(shards_dir, key + ".arrow")
-    tmp = f"{arrow_path}.tmp-{os.getpid()}"
-    try:  # streamed to a temporary file (no in-memory copy of the shard), hashed, then renamed
-        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, batch.schema) as w:
+    written = {}
+
+    def write(tmp):  # streamed to the temporary file (no in-memory copy of the shard), then hashed
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as w:
             w.write_batch(batch)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        size, sha, sampled = os.path.getsize(tmp), _sha256_file(tmp), shard_fingerprint(tmp)
-        os.replace(tmp, arrow_path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+        written.update(size=os.path.getsize(tmp), sha=_sha256_file(str(tmp)), sampled=shard_fingerprint(str(tmp)))
+
+    atomic_write(arrow_path, write)
+    size, sha, sampled = written["size"], written["sha"], written["sampled"]
     meta = dict(meta, n_docs=int(len(lengths)), n_tokens=int(offsets[-1]), size=size, sha256=sha, sampled=sampled)
-    _atomic_write(os.path.join(shards_dir, key + ".json"), json.dumps(meta, indent=1).encode())
+    atomic_write(os.path.join(shards_dir, key + ".json"), lambda tmp: tmp.write_bytes(json.dumps(meta, indent=1).encode()))
     return meta
 
 
@@ -286,7 +271,7 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
         "n_docs": int(sum(metas[i]["n_docs"] for i in range(len(shards)))),
         "n_tokens": int(sum(metas[i]["n_tokens"] for i in range(len(shards)))),
     }
-    _atomic_write(os.path.join(cache_dir, "manifest.json"), json.dumps(manifest, indent=1).encode())
+    atomic_write(os.path.join(cache_dir, "manifest.json"), lambda tmp: tmp.write_bytes(json.dumps(manifest, indent=1).encode()))
     cache = TokenCache(cache_dir, verify=verify)
     cache.n_built = len(todo)
     return cache

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._atomic import atomic_write
 from ._match import matches_any
 from .apply import _CONFIG_ATTR, apply_lora, get_lora_config, lora_layers, plan_lora
 from .config import LoRAConfig
@@ -60,16 +61,6 @@ def _model_name_or_path(model: nn.Module) -> str | None:
     return None
 
 
-def _atomic_write_bytes(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def save_adapter(
     model: nn.Module,
     path: str | os.PathLike,
@@ -94,9 +85,9 @@ def save_adapter(
     else:
         targets = sorted(set(cfg.target_modules))
     d = cfg.to_peft_dict(targets, base_model_name_or_path or _model_name_or_path(model), task_type)
-    _atomic_write_bytes(path / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    atomic_write(path / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     text = json.dumps(d, indent=2, sort_keys=True) + "\n"
-    _atomic_write_bytes(path / ADAPTER_CONFIG, lambda p: p.write_text(text))
+    atomic_write(path / ADAPTER_CONFIG, lambda p: p.write_text(text))
     return path
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .._atomic import atomic_write
 from ._safetensors_io import SafetensorsReader
 from .config import ARCHITECTURES, LlamaConfig
 from .llama import LlamaForCausalLM
@@ -167,22 +168,6 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * base**power)
 
 
-def _atomic_write(path: Path, write) -> None:
-    """``write(tmp)``, flush it to disk, then rename over ``path``: readers see the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # without it a crash after the rename can leave an empty file under the final name
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> list[str]:
     """Write ``model`` in the Hugging Face layout ``transformers`` loads; return the files written.
 
@@ -225,21 +210,21 @@ def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_
     written = []
     for fname, keys in zip(names, shards):
         tensors = {k: state[k].detach().to("cpu").contiguous() for k in keys}
-        _atomic_write(root / fname, lambda tmp, tensors=tensors: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+        atomic_write(root / fname, lambda tmp, tensors=tensors: save_file(tensors, str(tmp), metadata={"format": "pt"}))
         written.append(fname)
     if n > 1:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
             "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys},
         }
-        _atomic_write(root / _INDEX, lambda tmp: tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
+        atomic_write(root / _INDEX, lambda tmp: tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
         written.append(_INDEX)
 
     cfg = {"architectures": [ARCHITECTURES[config.model_type]], **config.to_hf_dict()}
     if len(dtypes) == 1:
         dtype_name = str(dtypes.pop()).removeprefix("torch.")
         cfg["torch_dtype"] = cfg["dtype"] = dtype_name
-    _atomic_write(root / "config.json", lambda tmp: tmp.write_text(json.dumps(cfg, indent=2) + "\n"))
+    atomic_write(root / "config.json", lambda tmp: tmp.write_text(json.dumps(cfg, indent=2) + "\n"))
     written.append("config.json")
 
     # weight files of an earlier save into this directory would be read in place of ours
