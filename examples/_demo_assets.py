@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["make_demo_assets", "demo_records"]
+__all__ = ["make_demo_assets", "demo_records", "demo_pairs"]
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -39,6 +39,23 @@ def demo_records(n: int, seed: int = 0) -> list[dict]:
         if rng.random() < 0.3:
             msgs.insert(0, {"role": "system", "content": "You are a careful calculator."})
         recs.append({"messages": msgs})
+    return recs
+
+
+def demo_pairs(n: int, seed: int = 0) -> list[dict]:
+    """``n`` preference records ``{"messages": [user], "chosen": str, "rejected": str}``.
+
+    The chosen answer states the right sum, the rejected one a wrong sum (off by 1 to 3, never
+    negative) in the same words, so a preference is checkable and differs in the number only.
+    """
+    rng = random.Random(seed)
+    recs = []
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        q = f"What is {a} plus {b}?" if rng.random() < 0.5 else f"What is {_WORDS[a]} plus {_WORDS[b]}?"
+        wrong = a + b + rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if a + b + d >= 0])
+        recs.append({"messages": [{"role": "user", "content": q}],
+                     "chosen": f"{a} plus {b} is {a + b}.", "rejected": f"{a} plus {b} is {wrong}."})
     return recs
 
 
