@@ -9,6 +9,9 @@ Modules (import the ones you need; nothing here pulls in optional dependencies):
 - ``ftlib.clip``     gradient clippers (global norm, z-score EMA, AGC, per-layer)
 - ``ftlib.sched``    LR schedules (warmup + cosine/linear/constant, WSD, plateau-aware hybrid)
 - ``ftlib.kernels``  attention dispatch (flash-attn / Triton / PyTorch reference)
+- ``ftlib.checkpoint``  atomic, verified train-state checkpoints; exact resume
+- ``ftlib.metrics``  progress bar, per-step JSONL, MFU, peak memory, plots
+- ``ftlib.evaluation``  held-out loss / perplexity, exact match through generation
 """
 
 __version__ = "0.1.0"
