@@ -40,7 +40,7 @@ def test_demo_finetune_learns_and_adapter_round_trips(demo_run):
     last = sum(r["loss"] for r in logs[-5:]) / 5
     assert last < 0.7 * first, (first, last)
     cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert cfg["peft_type"] == "LORA" and cfg["r"] == 32
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 64
 
     # The saved adapter, loaded onto a fresh copy of the base, reproduces the trained model.
     from ftlib.lora import load_adapter
@@ -84,6 +84,17 @@ def test_demo_writes_checkpoints_metrics_plot_manifest_and_report(demo_run):
     assert len(run["data_fingerprint"]) == 64 and run["device"] and run["resumes"] == []
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["before"], summary["after"]
+    # no pickle: every file of every checkpoint and of the adapter is safetensors or JSON
+    from safetensors.torch import load_file
+
+    files = [p for d in ("checkpoints", "adapter") for p in (out / d).rglob("*") if p.is_file()]
+    assert len(files) >= 2 + 6 * len(steps)
+    for f in files:
+        assert not f.read_bytes().startswith(b"\x80"), f
+        if f.suffix == ".safetensors":
+            load_file(str(f))
+        else:
+            json.loads(f.read_text())  # configs, train state, the COMPLETE marker
     assert after["eval_loss"] < before["eval_loss"] and before["exact_match_total"] == 8
     assert Path(summary["best_checkpoint"]).name.startswith("step-")
 

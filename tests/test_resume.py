@@ -107,7 +107,7 @@ def test_sigkill_at_random_points_then_resume_is_bitwise_exact(assets, reference
     assert name == ref_name
     _assert_bitwise(adapter, ref_adapter, "adapter")
     _assert_bitwise(optim, ref_optim, "optimizer")
-    for part in ("loader", "scheduler", "clipper", "rng"):
+    for part in ("optimizer", "loader", "scheduler", "clipper", "rng"):  # optimizer: counters, groups
         assert state[part] == ref_state[part], part
     assert losses == ref_losses  # every step's loss, as logged across the four processes
     run = json.loads((out / "run.json").read_text())
