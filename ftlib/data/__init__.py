@@ -1,5 +1,6 @@
 """Data pipeline: sources -> formatting (chat template, loss mask) -> Arrow token cache ->
-packing (best-fit decreasing) or dynamic padding -> resumable, rank-aware loader.
+packing (best-fit decreasing) or dynamic padding -> resumable, rank-aware loader; skipped
+records are counted in one report per cache (``report.py``).
 
     from ftlib.data import FormatConfig, build_cache, TokenLoader
     cfg = FormatConfig(kind="chat", chat_template="chatml", eos_token="<|im_end|>", max_length=4096)
@@ -14,14 +15,14 @@ from .collate import length_grouped_batches, pad_collate, padding_fraction
 from .formatting import BUILTIN_TEMPLATES, FormatConfig, FormattedDoc, Formatter, render_chat
 from .loader import TokenLoader
 from .packing import PackPlan, PackStats, bfd_assign, collate_packed, cpp_available, pack
+from .report import DataError, SkipReport
 from .sources import (
-    DataError,
     Shard,
-    SkipReport,
     decode_item,
     iter_raw,
     iter_records,
     list_shards,
+    parse_hub_spec,
     resolve_hub_dataset,
     shard_fingerprint,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "open_cache",
     "pack",
     "pad_collate",
+    "parse_hub_spec",
     "padding_fraction",
     "render_chat",
     "resolve_hub_dataset",
