@@ -12,7 +12,7 @@ Pre-tokenize from the shell: ``python -m ftlib.data build --help``.
 
 from .cache import CacheError, TokenCache, build_cache, open_cache
 from .collate import length_grouped_batches, pad_collate, padding_fraction
-from .formatting import BUILTIN_TEMPLATES, FormatConfig, FormattedDoc, Formatter, render_chat
+from .formatting import BUILTIN_TEMPLATES, FormatConfig, FormattedDoc, Formatter, detect_turn_end, render_chat
 from .loader import TokenLoader
 from .packing import PackPlan, PackStats, bfd_assign, collate_packed, cpp_available, pack
 from .report import DataError, SkipReport
@@ -45,6 +45,7 @@ __all__ = [
     "collate_packed",
     "cpp_available",
     "decode_item",
+    "detect_turn_end",
     "iter_raw",
     "iter_records",
     "length_grouped_batches",
