@@ -11,10 +11,10 @@ Pre-tokenize from the shell: ``python -m ftlib.data build --help``.
 """
 
 from .cache import CacheError, TokenCache, build_cache, open_cache
-from .collate import length_grouped_batches, pad_collate, padding_fraction
+from .collate import collate_packed, length_grouped_batches, pad_collate, padding_fraction
 from .formatting import BUILTIN_TEMPLATES, FormatConfig, FormattedDoc, Formatter, detect_turn_end, render_chat
 from .loader import TokenLoader
-from .packing import PackPlan, PackStats, bfd_assign, collate_packed, cpp_available, pack
+from .packing import PackPlan, PackStats, bfd_assign, cpp_available, pack
 from .report import DataError, SkipReport
 from .sources import (
     Shard,
