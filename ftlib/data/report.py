@@ -83,10 +83,11 @@ class SkipReport:
             return "no records skipped"
         head = f"{self.total} records skipped"
         if self.unknown:
-            head += f", plus an unknown number lost in {self.n_unknown} unreadable place(s)"
+            head += f", and an unknown number more in {self.n_unknown} place(s) that could not be read to the end"
         lines = [head + ":"]
         for reason in sorted(set(self.counts) | set(self.unknown)):
             n, u = self.counts.get(reason, 0), self.unknown.get(reason, 0)
-            lines.append(f"  {reason}: {n}" + (f" + unknown ({u}x)" if u else ""))
+            unknown = f"an unknown number ({u} place{'s' if u > 1 else ''})"
+            lines.append(f"  {reason}: " + (f"{n} + {unknown}" if n and u else unknown if u else f"{n}"))
             lines.extend(f"    {e}" for e in self.examples.get(reason, []))
         return "\n".join(lines)

@@ -240,7 +240,8 @@ def test_refused_and_unsupported_tar_members_are_counted(tmp_path):
     assert [r["text"] for r, _ in iter_records(str(p), rep)] == ["kept"]
     assert rep.counts == {"unsafe_tar_member": 3, "unsupported_tar_member": 0}  # its 3 records, never read as data
     assert rep.unknown == {"unsupported_tar_member": 2}
-    assert "an unknown number lost in 2 unreadable place(s)" in str(rep)
+    assert "3 records skipped, and an unknown number more in 2 place(s) that could not be read" in str(rep)
+    assert "unsupported_tar_member: an unknown number (2 places)" in str(rep)
 
 
 def test_parquet_and_gzip_members_in_a_tar(tmp_path):
@@ -289,4 +290,4 @@ def test_report_counts_unknown_losses_apart():
     other.add("unreadable_file", "p.parquet:rows 1-100", n=100)
     other.merge(rep.to_dict())
     assert other.counts == {"unreadable_file": 100} and other.unknown == {"unreadable_file": 1}
-    assert "unreadable_file: 100 + unknown (1x)" in str(other)
+    assert "unreadable_file: 100 + an unknown number (1 place)" in str(other)
