@@ -220,6 +220,9 @@ def test_turn_end_is_read_from_any_template(tokenizer):
         assert found == turn_end, (name, found, rendered)
     # the newline after <|im_end|> is never generated (decoding stops at the token): no loss on it
     assert detect_turn_end("chatml", tokenizer) == ("<|im_end|>", "<|im_end|>\n")
+    # every token the template writes before the next turn, up to the last special one, is the turn end
+    two = "{% for m in messages %}[{{ m['role'] }}]\n{{ m['content'] }}<|end|>\n{{ eos_token }}\n{% endfor %}"
+    assert detect_turn_end(two, tokenizer, eos_token="</s>") == ("<|end|>\n</s>", "<|end|>\n</s>\n")
 
 
 def test_no_turn_end_warns_once_and_explicit_turn_end_wins(tokenizer):

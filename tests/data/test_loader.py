@@ -48,6 +48,9 @@ def test_ranks_partition_every_epoch(n, batch_size, world, packing, drop_last, e
     for L in loaders:
         sizes = [len(s) for s in L.rank_steps(epoch)]
         assert min(sizes) >= 1 and all(n == batch_size for n in sizes[:-1])  # only the last step is short
+    if not drop_last and n_units % G:  # the short last step is split evenly: real units per rank differ by <= 1
+        last = [int((L.rank_steps(epoch)[-1] >= 0).sum()) for L in loaders]
+        assert sum(last) == n_units % G and max(last) - min(last) <= 1
     # the batches themselves carry exactly those units' tokens
     if not packing and not drop_last:
         toks = []
