@@ -1,8 +1,13 @@
 """Command line: pre-tokenize a corpus into an Arrow token cache, or describe a cache.
 
     python -m ftlib.data build --source data/ --tokenizer tokenizer.json --out cache/ \\
-        --kind chat --chat-template chatml --eos-token "<|im_end|>" --num-proc 8 --lenient
+        --kind chat --chat-template tokenizer_config.json --num-proc 8 --lenient
     python -m ftlib.data info cache/
+
+``--lenient`` skips bad records and prints every skip (the reader's too: a cut file, a refused
+tar member) with its location; the turn end that gets loss is read from the template
+(``--turn-end`` overrides it); ``--truncation head_tail --head-tail 0.5 --truncation-sep <sep>``
+keeps the head and tail of over-long documents or prompts.
 """
 
 from __future__ import annotations
