@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["dropout_mask_ref", "dropout_threshold", "lora_matmul_ref", "philox4x32"]
+__all__ = ["dropout_mask_ref", "dropout_threshold", "lora_matmul_ref", "philox4x32", "uniform16_ref"]
 
 _U32 = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
@@ -104,10 +104,8 @@ def rng_words(seed: int, offset: int) -> tuple[int, int, int, int]:
     return s_lo ^ KEY_XOR, s_hi, o_lo, o_hi
 
 
-def dropout_mask_ref(seed: int, offset: int, rows: int, cols: int, p: float,
-                     device: torch.device | str = "cpu") -> torch.Tensor:
-    """The dropout mask D, fp32 [rows, cols]: 0 where dropped, 65536 / (65536 - t) where kept."""
-    t, scale = dropout_threshold(p)
+def uniform16_ref(seed: int, offset: int, rows: int, cols: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16-bit uniforms of the mask stream, int64 [rows, cols] in [0, 65536) (see the module docstring)."""
     k0, k1, o_lo, o_hi = rng_words(seed, offset)
     groups = -(-cols // 8)
     c0 = torch.arange(groups, dtype=torch.int64, device=device).view(1, groups)
@@ -117,8 +115,14 @@ def dropout_mask_ref(seed: int, offset: int, rows: int, cols: int, p: float,
     c3 = torch.full_like(c0, o_hi)
     words = philox4x32(c0, c1, c2, c3, k0, k1)  # 4 x (rows, groups)
     halves = torch.stack([h for w in words for h in (w & 0xFFFF, w >> 16)], dim=-1)  # (rows, groups, 8)
-    u16 = halves.reshape(rows, groups * 8)[:, :cols]
-    return torch.where(u16 >= t, scale, 0.0).to(torch.float32)
+    return halves.reshape(rows, groups * 8)[:, :cols]
+
+
+def dropout_mask_ref(seed: int, offset: int, rows: int, cols: int, p: float,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """The dropout mask D, fp32 [rows, cols]: 0 where dropped, 65536 / (65536 - t) where kept."""
+    t, scale = dropout_threshold(p)
+    return torch.where(uniform16_ref(seed, offset, rows, cols, device) >= t, scale, 0.0).to(torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from ftlib.kernels.lora_ref import (
     dropout_threshold,
     lora_matmul_ref,
     philox4x32,
+    uniform16_ref,
 )
 from ftlib.lora import NF4Linear
 
@@ -209,6 +210,18 @@ def test_kernel_mask_equals_reference_mask(seed, offset, p):
     got = dropout_mask_triton(seed, offset, 37, 83, p, device=DEV)  # 83 columns: a ragged group of 8
     want = dropout_mask_ref(seed, offset, 37, 83, p, device=DEV)
     assert torch.equal(got, want)
+
+
+def test_mask_keeps_a_draw_equal_to_the_threshold():
+    # drop iff u16 < t: with p = u16 / 65536 of a chosen element, that element is kept (the boundary)
+    u = uniform16_ref(31, 4, 9, 29)
+    for i, k in ((0, 0), (3, 17), (8, 28), (5, 9)):
+        t = int(u[i, k])
+        if t == 0:
+            continue
+        got = dropout_mask_triton(31, 4, 9, 29, t / 65536, device=DEV)
+        assert got[i, k] > 0 and (got == 0).sum() == (u < t).sum()
+        assert torch.equal(got, dropout_mask_ref(31, 4, 9, 29, t / 65536, device=DEV))
 
 
 def test_forward_and_backward_masks_are_the_reference_mask():
