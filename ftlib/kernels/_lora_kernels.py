@@ -29,8 +29,9 @@ NF4 base: ``_w_tile`` loads a [rows, BLOCK_K] tile of W. For an NF4 W it loads t
 block's absmax (blocks of ``blocksize`` consecutive flattened elements); with double
 quantization the absmax itself is ``DYN[q] * absmax2[block // 256] + offset``. All in fp32 in
 registers, then rounded to the compute dtype for the tensor cores: W never exists in 16 bits.
-When K is a multiple of the blocksize and the tile width divides it, a tile row lies in one
-block (one absmax per row) and the codes load as BLOCK_K / 2 bytes unpacked in registers.
+When K is a multiple of the blocksize, the codes of a tile row load as BLOCK_K / 2 bytes unpacked in
+registers, and a tile row lies in one block (one absmax a row: the forward's 64-wide K steps) or
+spans whole blocks (the dX tiles, 128-256 wide: one absmax per block, broadcast by a reshape).
 
 Expected performance (bf16, H100 SXM: 989 TFLOP/s dense, 3.35 TB/s; H200: 4.8 TB/s). Llama-3-8B
 q_proj, M = 8192 tokens, K = N = 4096, r = 16:
@@ -124,22 +125,33 @@ def _absmax(ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, blk, mask, DOUBLE_QUANT: tl
 @triton.jit
 def _w_tile(W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, NF4_TABLE, n_idx, k0, K, stride_wn,
             NF4: tl.constexpr, DOUBLE_QUANT: tl.constexpr, NF4_BLOCK: tl.constexpr,
-            NF4_K_ALIGNED: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
-    # (len(n_idx), BLOCK_K) tile W[n_idx, k0 : k0 + BLOCK_K] in DTYPE; n_idx are valid rows, columns
+            NF4_K_ALIGNED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    # (BLOCK_ROWS, BLOCK_K) tile W[n_idx, k0 : k0 + BLOCK_K] in DTYPE; n_idx are valid rows, columns
     # >= K read as 0. A dense W is loaded; an NF4 W is dequantized in registers (fp32, then DTYPE).
     ks = k0 + tl.arange(0, BLOCK_K)
     n64 = n_idx.to(tl.int64)
     if not NF4:
         w = tl.load(W + n64[:, None] * stride_wn + ks[None, :], mask=ks[None, :] < K, other=0.0)
         return w.to(DTYPE)
-    if NF4_K_ALIGNED and NF4_BLOCK % BLOCK_K == 0:
-        # K % blocksize == 0: the tile's row segment is whole bytes in one block, never past K
-        start = n64 * K + k0  # (rows,) flat index of each row's first element, even
-        byte = tl.load(CODES + start[:, None] // 2 + tl.arange(0, BLOCK_K // 2)[None, :]).to(tl.int32)
+    if NF4_K_ALIGNED and (NF4_BLOCK % BLOCK_K == 0 or BLOCK_K % NF4_BLOCK == 0):
+        # K % blocksize == 0: each row's segment is whole bytes and whole blocks (or part of one block);
+        # the codes load as BLOCK_K / 2 bytes a row, unpacked in registers
+        start = n64 * K + k0  # (rows,) flat index of each row's first element, a multiple of min(tile, block)
+        pair = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(CODES + start[:, None] // 2 + tl.arange(0, BLOCK_K // 2)[None, :],
+                       mask=(pair < K)[None, :], other=0x77).to(tl.int32)  # 0x77: NF4 zeros past K
         code = tl.interleave(byte >> 4, byte & 0xF)  # (rows, BLOCK_K), first element in the high nibble
         vals = tl.load(NF4_TABLE + code)
-        scale = _absmax(ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, start // NF4_BLOCK, start >= 0, DOUBLE_QUANT)
-        return (vals * scale[:, None]).to(DTYPE)
+        if NF4_BLOCK % BLOCK_K == 0:  # one block per row segment: one absmax a row
+            scale = _absmax(ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, start // NF4_BLOCK, start >= 0, DOUBLE_QUANT)
+            return (vals * scale[:, None]).to(DTYPE)
+        # BLOCK_K / blocksize blocks per row segment (the wide dX tiles)
+        PER_ROW: tl.constexpr = BLOCK_K // NF4_BLOCK
+        blk = start[:, None] // NF4_BLOCK + tl.arange(0, PER_ROW)[None, :]  # (rows, PER_ROW)
+        bmask = (k0 + NF4_BLOCK * tl.arange(0, PER_ROW) < K)[None, :]
+        scale = _absmax(ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, blk, bmask, DOUBLE_QUANT)
+        vals = tl.reshape(vals, [BLOCK_ROWS, PER_ROW, NF4_BLOCK]) * scale[:, :, None]
+        return tl.reshape(vals, [BLOCK_ROWS, BLOCK_K]).to(DTYPE)
     kmask = (ks < K)[None, :]
     flat = n64[:, None] * K + ks[None, :]  # (rows, BLOCK_K) int64 index into the flattened weight
     byte = tl.load(CODES + flat // 2, mask=kmask, other=0).to(tl.int32)
@@ -221,7 +233,7 @@ def _fwd_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)  # (BM, BK)
         w = _w_tile(W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, NF4_TABLE, cols_ld, k0, K, stride_wn,
-                    NF4, DOUBLE_QUANT, NF4_BLOCK, NF4_K_ALIGNED, BLOCK_K, dtype)  # (BN, BK)
+                    NF4, DOUBLE_QUANT, NF4_BLOCK, NF4_K_ALIGNED, BLOCK_N, BLOCK_K, dtype)  # (BN, BK)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if DROP_DORA:
             hx = tl.load(h_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
@@ -350,7 +362,7 @@ def _bwd_dx_kernel(
         g = tl.load(g_ptr + ns[None, :], mask=nmask[None, :], other=0.0)  # (BM, BN), 0 past N
         # rows past N load a valid row of W (ns % N) and meet g = 0
         w = _w_tile(W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, NF4_TABLE, ns % N, k0, K, stride_wn,
-                    NF4, DOUBLE_QUANT, NF4_BLOCK, NF4_K_ALIGNED, BLOCK_K, dtype)  # (BN, BK)
+                    NF4, DOUBLE_QUANT, NF4_BLOCK, NF4_K_ALIGNED, BLOCK_N, BLOCK_K, dtype)  # (BN, BK)
         if DORA:
             c = tl.load(MS + ns, mask=nmask, other=0.0)[None, :]
             if DROPOUT:

@@ -64,7 +64,8 @@ if _INTERPRET:
     # (ragged tails, several rank chunks, grouped ordering) on the tests' small shapes.
     # (the K tiles are 32 wide: each tile of the dropout mask costs ~150 interpreted Philox ops)
     _FWD_CONFIGS = [_cfg(4, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2)]
-    _DX_CONFIGS = [_cfg(4, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2)]
+    # dX: 64 wide, so an NF4 tile row spans two 32-element blocks in the tests (the GPU's wide tiles)
+    _DX_CONFIGS = [_cfg(4, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, GROUP_M=2)]
     _DOWN_CONFIGS = [_cfg(4, 1, BLOCK_M=16, BLOCK_K=32)]
     _V_CONFIGS = [_cfg(4, 1, BLOCK_M=16, BLOCK_N=16)]
     _DB_CONFIGS = [_cfg(4, 1, BLOCK_M=16, BLOCK_N=16)]
@@ -151,9 +152,9 @@ def _prune(kind):
             if smem <= budget and acc <= _MAX_ACC_PER_THREAD:
                 kept.append(c)
         if kind in ("fwd", "dx") and kwargs["NF4"] and kwargs["NF4_K_ALIGNED"]:
-            red = "BLOCK_K" if kind == "fwd" else "BLOCK_N"
-            # prefer tiles whose rows lie in one NF4 block (one absmax per row, packed code loads)
-            aligned = [c for c in kept if kwargs["NF4_BLOCK"] % c.kwargs[red] == 0 or kind == "dx"]
+            # prefer tiles whose K range is whole NF4 blocks or part of one (packed code loads)
+            nb = kwargs["NF4_BLOCK"]
+            aligned = [c for c in kept if nb % c.kwargs["BLOCK_K"] == 0 or c.kwargs["BLOCK_K"] % nb == 0]
             kept = aligned or kept
         if not kept:
             kept = [min(configs, key=lambda c: _estimate(kind, c, kwargs))]

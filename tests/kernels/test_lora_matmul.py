@@ -164,6 +164,7 @@ def test_dora_norm_computed_when_not_given():
     "shape,dtype,nf4,p,dora",
     [
         ((21, 128, 24, 4), torch.float32, (64, True), 0.0, False),  # K % blocksize == 0: packed code loads
+        ((21, 96, 24, 4), torch.float32, (32, True), 0.0, False),  # dX tiles of two blocks, the last past K
         ((21, 45, 29, 3), torch.float32, (32, False), 0.0, False),  # odd N * K, blocks straddling rows
         ((21, 45, 29, 3), torch.float16, (64, True), 0.3, True),
         ((21, 128, 24, 4), torch.float16, (64, False), 0.0, True),
@@ -178,7 +179,7 @@ def test_nf4_dequantizes_the_same_values_as_nf4linear():
     # fp32: the NF4 kernel and the dense kernel on NF4Linear.dequantize() give the same bits (same tiles,
     # same fp32 products), forward and dX
     for nf4 in ((64, True), (32, False)):
-        p = _problem((21, 128, 24, 4), torch.float32, bias=False, dora=False, nf4=nf4, seed=6)
+        p = _problem((21, 96, 24, 4), torch.float32, bias=False, dora=False, nf4=nf4, seed=6)
         dense = dict(p, weight=p["weight"].dequantize(torch.float32))
         y_q, g_q = _run(lora_matmul_triton, p)
         y_d, g_d = _run(lora_matmul_triton, dense)
