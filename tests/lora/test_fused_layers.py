@@ -127,6 +127,25 @@ def test_training_dropout_is_the_reference_stream(dora, monkeypatch, kernel_call
     assert not torch.allclose(y2, y_k)
 
 
+def test_activation_checkpointing_recomputes_the_same_mask(monkeypatch, kernel_calls):
+    # torch.utils.checkpoint restores torch's RNG state before recomputing: the recomputed forward
+    # draws the same (seed, offset), so gradients equal those of the plain run
+    monkeypatch.setenv("FTLIB_LORA_BACKEND", "triton")
+    layer = nn.Sequential(_layer("dense", dropout=0.5)).train()
+    x = torch.randn(9, 45)
+    runs = []
+    for ckpt in (False, True):
+        torch.manual_seed(3)
+        for p in layer.parameters():
+            p.grad = None
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if ckpt else layer(x)
+        y.square().sum().backward()
+        runs.append((y.detach(), layer[0].lora_A.weight.grad.clone(), layer[0].lora_B.weight.grad.clone()))
+    assert len(kernel_calls) == 3  # plain, checkpointed forward, recomputation
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_merged_and_disabled_layers_skip_the_kernel(monkeypatch, kernel_calls):
     monkeypatch.setenv("FTLIB_LORA_BACKEND", "triton")
     layer = _layer("dense").eval()
