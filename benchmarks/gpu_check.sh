@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks in one command (under 8 minutes on one H100/H200):
 #   1. every test marked `gpu` (correctness of the kernels, natively on CUDA), and
-#   2. the attention kernel benchmark (TFLOP/s vs SDPA and flash-attn).
+#   2. the attention kernel benchmark (TFLOP/s vs SDPA and flash-attn),
+#   3. the LoRA kernel benchmark (fused vs unfused vs PEFT).
 # Usage: benchmarks/gpu_check.sh OUT_DIR   (PYTHON=... selects the interpreter)
-# Writes OUT_DIR/pytest_gpu.log, OUT_DIR/bench_attention.log and OUT_DIR/attention.csv.
+# Writes OUT_DIR/pytest_gpu.log, OUT_DIR/bench_attention.log, OUT_DIR/attention.csv,
+# OUT_DIR/bench_lora.log and OUT_DIR/lora_gpu.csv.
 # Exits non-zero when a step fails; later steps still run.
 set -uo pipefail
 
@@ -24,6 +26,9 @@ fi
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
 status=0
+# LoRA kernels: the first fitting tile configuration, no autotune timing (compile time; the same
+# switch as FTLIB_ATTN_AUTOTUNE below), for the gpu tests and the LoRA benchmark.
+export FTLIB_LORA_AUTOTUNE=0
 # Correctness first. FTLIB_ATTN_AUTOTUNE=0 takes the first fitting kernel configuration instead of
 # timing them all (results are the same up to rounding order; compile time drops ~5x); pytest-xdist
 # workers compile the kernel variants in parallel.
@@ -37,6 +42,11 @@ FTLIB_ATTN_AUTOTUNE=0 timeout 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider 
 echo "== benchmarks/bench_attention.py (limit 240 s)"
 PYTHONUNBUFFERED=1 timeout 240 "$PY" benchmarks/bench_attention.py --out "$OUT/attention.csv" --budget-s 190 \
     2>&1 | tee "$OUT/bench_attention.log" || status=1
+
+# LoRA benchmark: fused vs unfused vs PEFT, priority cases first; stops starting new cases after 65 s.
+echo "== benchmarks/bench_lora.py --kernels (limit 90 s)"
+PYTHONUNBUFFERED=1 timeout 90 "$PY" benchmarks/bench_lora.py --kernels --out "$OUT/lora_gpu.csv" --budget-s 65 \
+    2>&1 | tee "$OUT/bench_lora.log" || status=1
 
 echo "gpu_check: done, status $status, outputs in $OUT"
 exit $status
