@@ -143,7 +143,7 @@ def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int):
     """Philox4x32 with 10 rounds on int64 tensors holding uint32 values; returns 4 such tensors.
 
     Counter (c0, c1, c2, c3) may be tensors or ints (broadcast); key (k0, k1) are ints. Matches
-    Random123's known-answer vectors (tests/kernels/test_augment.py).
+    Random123's known-answer vectors (tests/kernels/test_augment_kernel.py).
     """
     for _ in range(PHILOX_ROUNDS):
         hi0, lo0 = _mulhilo(c0, PHILOX_M0)
@@ -201,6 +201,13 @@ def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
 # The reference (vectorised; CPU or GPU)
 # ----------------------------------------------------------------------------------------------
 
+# On the host the reference runs in chunks of this many tokens: its ~200 element-wise int64 passes
+# (Philox) then stay in cache instead of streaming N * 8 bytes through memory each time. 256k tokens,
+# one thread: 0.112 s unchunked, 0.069 s in 64k chunks, 0.080 s in 16k, 0.140 s in 4k (CPU time,
+# medians of 4 alternated runs on a loaded machine).
+_HOST_CHUNK = 1 << 16
+
+
 def augment_tokens_ref(input_ids, labels, attention_mask, tags, offsets, candidates, params: AugmentParams):
     """(new input_ids, new labels) by the rules of the module docstring; PyTorch ops only.
 
@@ -208,19 +215,35 @@ def augment_tokens_ref(input_ids, labels, attention_mask, tags, offsets, candida
     when ``params`` cannot change them, and None stays None.
     """
     _check_inputs(input_ids, labels, attention_mask, tags, offsets, candidates, params)
-    shape, dev = input_ids.shape, input_ids.device
-    v = _flat(input_ids).long()
-    n_tok, vocab = v.numel(), tags.numel()
-    idx = torch.arange(n_tok, device=dev, dtype=torch.int64)
+    v, lab, am = _flat(input_ids), _flat(labels), _flat(attention_mask)
+    write_labels = lab is not None and params.writes_labels
+    out = torch.empty_like(v)
+    out_lab = torch.empty_like(lab) if write_labels else None
+    n = v.numel()
+    chunk = max(n, 1) if v.is_cuda else _HOST_CHUNK
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        new, new_lab = _reference_chunk(v[s:e], None if lab is None else lab[s:e], None if am is None else am[s:e],
+                                        s, tags, offsets, candidates, params, write_labels)
+        out[s:e] = new
+        if write_labels:
+            out_lab[s:e] = new_lab
+    return out.view(input_ids.shape), (out_lab.view(labels.shape) if write_labels else labels)
+
+
+def _reference_chunk(ids, lab, am, first, tags, offsets, candidates, params, write_labels):
+    """Tokens first .. first + len(ids) - 1 of the flat batch (the index is the Philox counter)."""
+    v = ids.long()
+    vocab = tags.numel()
+    idx = torch.arange(first, first + v.numel(), device=v.device, dtype=torch.int64)
     in_vocab = (v >= 0) & (v < vocab)
     vv = torch.where(in_vocab, v, 0)
     tag = torch.where(in_vocab, tags.long()[vv] if vocab else vv, PROTECTED_TAG)
     ok = in_vocab & (tag <= MAX_TAG)
-    lab = _flat(labels)
     if lab is not None and params.protect_unlabeled:
         ok &= lab != -100
-    if attention_mask is not None:
-        ok &= _flat(attention_mask) != 0
+    if am is not None:
+        ok &= am != 0
     if params.pad_id >= 0:
         ok &= v != params.pad_id
     t = torch.where(ok, tag, MAX_TAG + 1)  # a bit that no tag mask sets
@@ -237,15 +260,14 @@ def augment_tokens_ref(input_ids, labels, attention_mask, tags, offsets, candida
     mask_ok = ((torch.full_like(t, params.mask_tag_bits) >> t) & 1) == 1
     masked = ok & ~swap & mask_ok & (r1 < params.mask_threshold)
     new = torch.where(swap, cand, torch.where(masked, params.mask_token_id, v))
-    out_ids = new.to(input_ids.dtype).view(shape)
-    if lab is None or not params.writes_labels:
-        return out_ids, labels
+    if not write_labels:
+        return new, None
     new_lab = lab.long()
     if params.follow_labels:
         new_lab = torch.where((swap | masked) & (new_lab != -100), new, new_lab)
     if params.drop_masked:
         new_lab = torch.where(masked, -100, new_lab)
-    return out_ids, new_lab.to(labels.dtype).view(shape)
+    return new, new_lab
 
 
 # ----------------------------------------------------------------------------------------------

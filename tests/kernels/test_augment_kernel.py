@@ -145,6 +145,19 @@ def test_result_does_not_depend_on_block_or_grid():
         _assert_same(got[1], want[1], f"labels, block {block}")
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 16])
+def test_reference_host_chunks_give_the_same_result(monkeypatch, chunk):
+    g = torch.Generator().manual_seed(4)
+    ids, labels, amask, tags, offsets, cands = _case(g, vocab=37, n_rows=3, n_cols=50, mask_kind=torch.int64)
+    params = AugmentParams(seed=9, step=2**32 + 1, swap_threshold=probability_threshold(0.5),
+                           mask_threshold=probability_threshold(0.5), mask_token_id=5, follow_labels=True)
+    want = augment_tokens_triton(ids, labels, amask, tags, offsets, cands, params, block=256)  # one program
+    monkeypatch.setattr(K, "_HOST_CHUNK", chunk)
+    got = augment_tokens_ref(ids, labels, amask, tags, offsets, cands, params)
+    _assert_same(got[0], want[0], f"input_ids, chunk {chunk}")
+    _assert_same(got[1], want[1], f"labels, chunk {chunk}")
+
+
 def test_empty_batch_and_single_id_vocabulary():
     tags = torch.zeros(1, dtype=torch.uint8)
     offsets = torch.zeros(2, dtype=torch.int32)
