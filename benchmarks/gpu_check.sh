@@ -38,5 +38,11 @@ echo "== benchmarks/bench_attention.py (limit 240 s)"
 PYTHONUNBUFFERED=1 timeout 240 "$PY" benchmarks/bench_attention.py --out "$OUT/attention.csv" --budget-s 190 \
     2>&1 | tee "$OUT/bench_attention.log" || status=1
 
+# Token augmentation kernel: GB/s vs copy bandwidth and vs the PyTorch reference (limit 60 s);
+# writes OUT_DIR/bench_augment.log and OUT_DIR/augment.csv.
+echo "== benchmarks/bench_augment.py (limit 60 s)"
+PYTHONUNBUFFERED=1 timeout 60 "$PY" benchmarks/bench_augment.py --out "$OUT/augment.csv" --budget-s 40 \
+    2>&1 | tee "$OUT/bench_augment.log" || status=1
+
 echo "gpu_check: done, status $status, outputs in $OUT"
 exit $status

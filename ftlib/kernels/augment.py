@@ -238,7 +238,7 @@ def _reference_chunk(ids, lab, am, first, tags, offsets, candidates, params, wri
     idx = torch.arange(first, first + v.numel(), device=v.device, dtype=torch.int64)
     in_vocab = (v >= 0) & (v < vocab)
     vv = torch.where(in_vocab, v, 0)
-    tag = torch.where(in_vocab, tags.long()[vv] if vocab else vv, PROTECTED_TAG)
+    tag = torch.where(in_vocab, tags[vv].long() if vocab else vv, PROTECTED_TAG)  # gather, then widen
     ok = in_vocab & (tag <= MAX_TAG)
     if lab is not None and params.protect_unlabeled:
         ok &= lab != -100
@@ -247,16 +247,15 @@ def _reference_chunk(ids, lab, am, first, tags, offsets, candidates, params, wri
     if params.pad_id >= 0:
         ok &= v != params.pad_id
     t = torch.where(ok, tag, MAX_TAG + 1)  # a bit that no tag mask sets
-    off = offsets.long()
-    start = off[vv] if vocab else vv
-    count = (off[vv + 1] if vocab else vv) - start
+    start = offsets[vv].long() if vocab else vv
+    count = (offsets[vv + 1].long() if vocab else vv) - start
 
     r0, r1, r2, _ = philox4x32_10(idx & _M32, idx >> 32, params.step & _M32, params.step >> 32,
                                   params.seed & _M32, params.seed >> 32)
     swap_ok = ((torch.full_like(t, params.swap_tag_bits) >> t) & 1) == 1
     swap = ok & swap_ok & (count > 0) & (r0 < params.swap_threshold)
     pos = torch.where(swap, start + ((r2 * count) >> 32), 0)
-    cand = candidates.long()[pos] if candidates.numel() else torch.zeros_like(pos)
+    cand = candidates[pos].long() if candidates.numel() else torch.zeros_like(pos)
     mask_ok = ((torch.full_like(t, params.mask_tag_bits) >> t) & 1) == 1
     masked = ok & ~swap & mask_ok & (r1 < params.mask_threshold)
     new = torch.where(swap, cand, torch.where(masked, params.mask_token_id, v))
