@@ -49,9 +49,10 @@ def _tables(vocab: int, device, seed: int = 0):
 
     g = torch.Generator().manual_seed(seed)
     tags = torch.randint(1, 18, (vocab,), generator=g).to(torch.uint8)
-    tags[torch.randperm(vocab, generator=g)[:256]] = PROTECTED_TAG
+    tags[torch.randperm(vocab, generator=g)[:min(256, vocab // 8)]] = PROTECTED_TAG
+    n_syn = min(30000, vocab // 4)  # tokens with synonyms (30k of Llama-3's 128k)
     counts = torch.zeros(vocab, dtype=torch.int64)
-    counts[torch.randperm(vocab, generator=g)[:30000]] = torch.randint(1, 9, (30000,), generator=g)
+    counts[torch.randperm(vocab, generator=g)[:n_syn]] = torch.randint(1, 9, (n_syn,), generator=g)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
     owner = torch.repeat_interleave(torch.arange(vocab), counts)
     cands = (owner + torch.randint(1, vocab, owner.shape, generator=g)) % vocab  # never the token itself
@@ -135,15 +136,15 @@ def main(argv=None) -> int:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "-"
+    host = f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores, "
-                                                                  f"{torch.get_num_threads()} threads)",
             "torch": torch.__version__, "triton": triton_version}
+    names = {"cuda": torch.cuda.get_device_name() if cuda else "", "cpu": host}
     devices = ([torch.device("cuda")] if cuda else []) + [torch.device("cpu")]
     copy = {d.type: _copy_gbs(d) for d in devices}
-    print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  vocab {args.vocab}  copy bandwidth: "
-          + ", ".join(f"{k} {v:.0f} GB/s" for k, v in copy.items()))
-    print(f"{'provider':10} {'mode':12} {'tokens':>10} {'block':>6} {'ms':>9} {'Gtok/s':>8} {'GB/s':>8} "
+    print(f"# {' + '.join(names[d.type] for d in devices)}  torch {meta['torch']}  triton {meta['triton']}  "
+          f"vocab {args.vocab}  copy bandwidth: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in copy.items()))
+    print(f"{'provider':10} {'mode':12} {'tokens':>10} {'blk/wrp':>7} {'ms':>9} {'tokens/s':>10} {'GB/s':>8} "
           f"{'of copy':>8} {'vs torch':>9} identical", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     new = not os.path.exists(args.out)
@@ -154,61 +155,73 @@ def main(argv=None) -> int:
     tables = {d.type: _tables(args.vocab, d) for d in devices}
     t0, n_rows, skipped = time.monotonic(), 0, []
 
+    def over_budget(case: str) -> bool:
+        if args.budget_s and time.monotonic() - t0 > args.budget_s:
+            skipped.append(case)
+            return True
+        return False
+
     def row(provider, mode, n, ms, dev, block="", warps="", vs=None, identical=""):
         nonlocal n_rows
         bpt = MODES[mode][2]
         gbs = n * bpt / (ms * 1e-3) / 1e9
-        writer.writerow({**meta, "provider": provider, "mode": mode, "tokens": n, "block": block, "warps": warps,
-                         "bytes_per_token": bpt, "ms": f"{ms:.4f}", "tokens_per_s": f"{n / (ms * 1e-3):.4g}",
-                         "gb_s": f"{gbs:.1f}", "copy_gb_s": f"{copy[dev]:.1f}", "frac_copy": f"{gbs / copy[dev]:.3f}",
+        writer.writerow({**meta, "device": names[dev], "provider": provider, "mode": mode, "tokens": n,
+                         "block": block, "warps": warps, "bytes_per_token": bpt, "ms": f"{ms:.4f}",
+                         "tokens_per_s": f"{n / (ms * 1e-3):.4g}", "gb_s": f"{gbs:.1f}",
+                         "copy_gb_s": f"{copy[dev]:.1f}", "frac_copy": f"{gbs / copy[dev]:.3f}",
                          "vs_torch": f"{vs:.2f}" if vs else "", "identical": identical})
         n_rows += 1
         fh.flush()
-        print(f"{provider:10} {mode:12} {n:>10} {block!s:>6} {ms:>9.4f} {n / (ms * 1e-3) / 1e9:>8.3f} {gbs:>8.1f} "
+        cfg = f"{block}/{warps}" if block else ""
+        print(f"{provider:10} {mode:12} {n:>10} {cfg:>7} {ms:>9.4f} {n / (ms * 1e-3):>10.3g} {gbs:>8.1f} "
               f"{gbs / copy[dev]:>8.3f} {(f'{vs:.2f}' if vs else '-'):>9} {identical}", flush=True)
 
-    for mode in modes:
-        follow, padded, _ = MODES[mode]
-        params = _params(follow)
-        for n in sizes:
-            if args.budget_s and time.monotonic() - t0 > args.budget_s:
-                skipped.append(f"{mode}/{n}")
-                continue
-            if cuda:
-                dev = torch.device("cuda")
+    # 1. GPU: the kernel and the reference on the same inputs, every mode and size (largest first).
+    if cuda:
+        dev = torch.device("cuda")
+        tb = tables["cuda"]
+        for mode in modes:
+            follow, padded, _ = MODES[mode]
+            params = _params(follow)
+            for n in sorted(sizes, reverse=True):
+                if over_budget(f"cuda/{mode}/{n}"):
+                    continue
                 ids, labels, am = _batch(n, args.vocab, padded, dev)
-                tb = tables["cuda"]
                 ref = augment_tokens_ref(ids, labels, am, *tb, params)
                 ms_ref = _time(functools.partial(augment_tokens_ref, ids, labels, am, *tb, params), dev)
                 row("torch", mode, n, ms_ref, "cuda")
                 if have_triton:
-                    got = augment_tokens_triton(ids, labels, am, *tb, params)
-                    ok = _same(got, ref)
+                    ok = _same(augment_tokens_triton(ids, labels, am, *tb, params), ref)
                     ms = _time(functools.partial(augment_tokens_triton, ids, labels, am, *tb, params), dev)
                     row("triton", mode, n, ms, "cuda", DEFAULT_BLOCK, DEFAULT_WARPS, ms_ref / ms, "yes" if ok else "NO")
                 del ref, ids, labels, am
                 torch.cuda.empty_cache()
-            if n <= args.cpu_max_tokens:
-                dev = torch.device("cpu")
-                ids, labels, am = _batch(n, args.vocab, padded, dev)
-                ms = _time(functools.partial(augment_tokens_ref, ids, labels, am, *tables["cpu"], params), dev, reps=5)
-                row("torch-cpu", mode, n, ms, "cpu")
-    # Block / warps sweep at the largest size (the result is the same for every configuration).
-    if cuda and have_triton and not (args.budget_s and time.monotonic() - t0 > args.budget_s):
+    # 2. GPU: block / warps sweep at the largest size (the result is the same for every configuration).
+    if cuda and have_triton:
         n = max(sizes)
-        dev = torch.device("cuda")
         ids, labels, am = _batch(n, args.vocab, False, dev)
         params = _params(False)
-        ref = augment_tokens_triton(ids, labels, am, *tables["cuda"], params)
+        ref = augment_tokens_triton(ids, labels, am, *tb, params)
         for block in (512, 1024, 2048, 4096):
             for warps in (4, 8):
-                if args.budget_s and time.monotonic() - t0 > args.budget_s:
-                    skipped.append(f"sweep/{block}/{warps}")
+                if over_budget(f"sweep/{block}/{warps}"):
                     continue
-                fn = functools.partial(augment_tokens_triton, ids, labels, am, *tables["cuda"], params,
-                                       block=block, num_warps=warps)
+                fn = functools.partial(augment_tokens_triton, ids, labels, am, *tb, params, block=block,
+                                       num_warps=warps)
                 ok = _same(fn(), ref)
                 row("triton", "keep", n, _time(fn, dev), "cuda", block, warps, identical="yes" if ok else "NO")
+        del ids, labels, am, ref
+    # 3. Host: the reference on the CPU.
+    for mode in modes:
+        follow, padded, _ = MODES[mode]
+        params = _params(follow)
+        for n in sorted(x for x in sizes if x <= args.cpu_max_tokens):
+            if over_budget(f"cpu/{mode}/{n}"):
+                continue
+            ids, labels, am = _batch(n, args.vocab, padded, torch.device("cpu"))
+            ms = _time(functools.partial(augment_tokens_ref, ids, labels, am, *tables["cpu"], params),
+                       torch.device("cpu"), reps=5)
+            row("torch-cpu", mode, n, ms, "cpu")
     fh.close()
     if skipped:
         print(f"time budget reached; skipped {len(skipped)} cases: {', '.join(skipped)}")
