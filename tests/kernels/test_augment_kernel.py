@@ -61,16 +61,13 @@ def _case(g: torch.Generator, *, vocab, n_rows, n_cols, n_tags=4, empty_table=Fa
     """Random tables over ``vocab`` ids and a batch that includes both vocabulary edges and ids outside it."""
     tags = torch.randint(0, n_tags, (vocab,), generator=g).to(torch.uint8)
     tags[torch.rand(vocab, generator=g) < p_protected] = PROTECTED_TAG
-    counts = torch.zeros(vocab, dtype=torch.int64) if empty_table else torch.randint(0, 4, (vocab,), generator=g)
+    counts = torch.randint(0, 4, (vocab,), generator=g)
     counts[torch.rand(vocab, generator=g) < 0.3] = 0  # many empty synonym lists
-    lists = []
-    for v in range(vocab):
-        others = [u for u in range(vocab) if u != v]
-        k = min(int(counts[v]), len(others))
-        perm = torch.randperm(len(others), generator=g)[:k].tolist()
-        lists.append([others[i] for i in perm])
-    offsets = torch.tensor([0] + [len(x) for x in lists], dtype=torch.int64).cumsum(0).to(torch.int32)
-    cands = torch.tensor([u for x in lists for u in x], dtype=torch.int32)
+    if empty_table or vocab == 1:
+        counts.zero_()
+    owner = torch.repeat_interleave(torch.arange(vocab), counts)
+    cands = ((owner + torch.randint(1, max(vocab, 2), owner.shape, generator=g)) % vocab).to(torch.int32)  # never v
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
     ids = torch.randint(-2, vocab + 2, (n_rows, n_cols), generator=g)
     flat = ids.view(-1)
     flat[: min(4, flat.numel())] = torch.tensor([0, vocab - 1, 0, vocab - 1])[: min(4, flat.numel())]
