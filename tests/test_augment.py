@@ -386,3 +386,13 @@ def test_tables_move_to_a_device_unchanged(bpe):
     s2, l2 = syn.to("cpu"), lex.to("cpu")
     assert torch.equal(s2.offsets, syn.offsets) and torch.equal(s2.candidates, syn.candidates)
     assert torch.equal(l2.tags, lex.tags) and l2.tag_names == lex.tag_names and s2.coverage is syn.coverage
+
+
+def test_import_pulls_in_no_triton():
+    import subprocess
+    import sys
+
+    code = ("import sys, ftlib.augment, ftlib.embed_noise, ftlib.kernels.augment; "
+            "sys.exit(1 if 'triton' in sys.modules else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
