@@ -99,7 +99,8 @@ class CoverageReport:
             lines = [f"{self.kind} coverage: {self.words_kept}/{self.words} words kept -> {self.tokens} token ids, "
                      f"{self.entries} {what}"]
         if self.variants:
-            lines.append(("  by tag: " if self.kind == "pos-function" else "  by variant: ") + ", ".join(f"{k} {v}" for k, v in self.variants.items()))
+            head = "  by tag: " if self.kind == "pos-function" else "  by variant: "
+            lines.append(head + ", ".join(f"{k} {v}" for k, v in self.variants.items()))
         for reason, items in self.dropped.items():
             ex = ", ".join(items[:max_examples]) + (", ..." if len(items) > max_examples else "")
             lines.append(f"  dropped {len(items)} ({reason}): {ex}")
