@@ -2,10 +2,11 @@
 # GPU checks in one command (under 8 minutes on one H100/H200):
 #   1. every test marked `gpu` (correctness of the kernels, natively on CUDA), and
 #   2. the attention kernel benchmark (TFLOP/s vs SDPA and flash-attn),
-#   3. the LoRA kernel benchmark (fused vs unfused vs PEFT).
+#   3. the LoRA kernel benchmark (fused vs unfused vs PEFT),
+#   4. the token augmentation kernel benchmark (GB/s vs copy bandwidth).
 # Usage: benchmarks/gpu_check.sh OUT_DIR   (PYTHON=... selects the interpreter)
 # Writes OUT_DIR/pytest_gpu.log, OUT_DIR/bench_attention.log, OUT_DIR/attention.csv,
-# OUT_DIR/bench_lora.log and OUT_DIR/lora_gpu.csv.
+# OUT_DIR/bench_lora.log, OUT_DIR/lora_gpu.csv, OUT_DIR/bench_augment.log and OUT_DIR/augment.csv.
 # Exits non-zero when a step fails; later steps still run.
 set -uo pipefail
 
@@ -47,6 +48,12 @@ PYTHONUNBUFFERED=1 timeout 240 "$PY" benchmarks/bench_attention.py --out "$OUT/a
 echo "== benchmarks/bench_lora.py --kernels (limit 90 s)"
 PYTHONUNBUFFERED=1 timeout 90 "$PY" benchmarks/bench_lora.py --kernels --out "$OUT/lora_gpu.csv" --budget-s 65 \
     2>&1 | tee "$OUT/bench_lora.log" || status=1
+
+# Token augmentation kernel: GB/s vs copy bandwidth and vs the PyTorch reference (limit 60 s);
+# writes OUT_DIR/bench_augment.log and OUT_DIR/augment.csv.
+echo "== benchmarks/bench_augment.py (limit 60 s)"
+PYTHONUNBUFFERED=1 timeout 60 "$PY" benchmarks/bench_augment.py --out "$OUT/augment.csv" --budget-s 40 \
+    2>&1 | tee "$OUT/bench_augment.log" || status=1
 
 echo "gpu_check: done, status $status, outputs in $OUT"
 exit $status
