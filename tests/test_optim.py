@@ -381,7 +381,7 @@ def test_float64_model_steps_in_float64():
     """A float64 model: normalisation, clipping and the step stay float64 and equal plain SGD on the
     mean token loss (computed in float64) to 1e-12."""
     model, ref = TinyLM().double(), TinyLM().double()
-    opt = TrainOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    opt = TrainOptimizer(torch.optim.SGD(param_groups(model, lr=0.1), lr=0.1))  # named groups
     input_ids, labels = collate(make_sequences(0, 3))
     opt.backward(*cross_entropy_sum(model(input_ids), labels))
     loss_sum, n = cross_entropy_sum(ref(input_ids), labels)

@@ -3,7 +3,6 @@
 Skipped when transformers / peft are not installed (both are dev extras).
 """
 
-import contextlib
 import copy
 import json
 import warnings
@@ -277,7 +276,8 @@ def test_tied_ftlib_adapter_loads_in_peft(arch, case, tmp_path):
     """ftlib -> PEFT on a tied model, after a training step: PEFT's model gives ftlib's logits."""
     base = _tied(arch)
     kw = TIED_CASES[case]
-    with pytest.warns(UserWarning, match="untied copy") if case == "modules_to_save" else contextlib.nullcontext():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         m = apply_lora(copy.deepcopy(base), LoRAConfig(r=4, alpha=8, **kw))
     opt = torch.optim.SGD(trainable_params(m).values(), lr=0.5)
     for _ in range(2):  # a real step: B leaves zero, the saved head moves
@@ -288,8 +288,10 @@ def test_tied_ftlib_adapter_loads_in_peft(arch, case, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path).eval()
-    assert isinstance(pm, peft.PeftModelForCausalLM)
     torch.testing.assert_close(_logits(pm), _logits(m.eval()), atol=1e-5, rtol=1e-5)
+    assert isinstance(pm, peft.PeftModelForCausalLM)  # task_type CAUSAL_LM by default
+    untie_warned = any("training an untied copy" in str(w.message) for w in caught)
+    assert untie_warned == (case == "modules_to_save")
     keys = set(load_file(tmp_path / "adapter_model.safetensors"))
     if "ensure_weight_tying" in kw:  # stored under both names, as PEFT writes it
         assert {"base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"} <= keys
