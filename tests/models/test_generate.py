@@ -103,7 +103,8 @@ def test_top_p_one_is_a_no_op(monkeypatch):
         return real(probs, n, generator=generator)
 
     monkeypatch.setattr(torch, "multinomial", spy)
-    logits = torch.tensor([[20.0] + [0.0] * 7, [3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0]])
+    # p0 rounds to 1 in fp32 (row 0) and even in float64 (row 1); the tail keeps mass > 0 in fp32
+    logits = torch.tensor([[20.0] + [0.0] * 7, [40.0] + [0.0] * 7, [3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0]])
     for temperature in (1.0, 0.7):
         sample_next(logits, temperature=temperature, top_p=1.0)
         sample_next(logits, temperature=temperature)
