@@ -28,8 +28,17 @@ initialised, so every rank agrees on overflow): the loss is multiplied by the sc
 backward; on overflow the step is skipped and s <- s * backoff; after ``growth_interval``
 clean steps s <- s * growth (Micikevicius et al. 2018, "Mixed Precision Training").
 
-Non-finite gradients (any precision): the step is skipped and counted; the norm used for the
-check is the global one (over every shard), so every rank skips together. A
+Non-finite gradients (any precision): the step is skipped and counted. The check covers every
+gradient the optimizer steps, whatever the clipper: it is the global norm before clipping (over
+every shard, so every rank skips together), taken from the clipper's ``norm_before`` when the
+clipper declares ``reports_global_norm`` (every ftlib clipper; AGC's ``exclude`` and per-layer
+parameters without a bound are counted too) and computed here otherwise. Norms accumulate in
+float32, or float64 when a gradient is float64.
+
+Names: clippers that match parameter names (``PerLayerClipper``, ``AGCClipper(exclude=...)``)
+get ``(name, tensor)`` pairs, named by the groups' ``param_names`` (``param_groups`` sets them)
+or, for groups without them, by ``model=``'s ``named_parameters()``; a parameter with neither
+is passed unnamed, and those clippers refuse it (TypeError) instead of matching nothing. A
 ``ftlib.nan_trace.NanTrace`` passed as ``nan_trace=`` (off by default) names the first module whose forward output or gradient went non-finite.
 
 DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync``: wrap each micro-batch in
@@ -190,7 +199,8 @@ class TrainOptimizer:
             result = opt.step(clipper)               # normalise by tokens, clip, step, zero grads
             sched.step()
 
-    ``step()`` zeroes gradients: it closes the window.
+    ``step()`` zeroes gradients: it closes the window. ``model`` (optional) names the parameters
+    of groups that carry no ``param_names``, for clippers that match names.
     """
 
     def __init__(
@@ -205,6 +215,7 @@ class TrainOptimizer:
         grads_averaged: bool = True,
         process_group=None,
         nan_trace: NanTrace | None = None,
+        model: nn.Module | None = None,
     ):
         if precision not in _PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(_PRECISIONS)}")
@@ -212,6 +223,9 @@ class TrainOptimizer:
             _check_lr(g["lr"])
         self.optimizer, self.precision = optimizer, precision
         self.grads_averaged, self.process_group, self.nan_trace = grads_averaged, process_group, nan_trace
+        # names for groups without param_names (clippers match names); tied parameters keep their first name
+        self._model_names = {} if model is None else {
+            id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
         first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         if first is None:
             raise ValueError("optimizer has no parameters")
@@ -264,10 +278,11 @@ class TrainOptimizer:
         return t
 
     def _params(self) -> list:
+        """``(name or None, parameter)`` for every parameter the optimizer steps."""
         named = []
-        for k, g in enumerate(self.optimizer.param_groups):
+        for g in self.optimizer.param_groups:
             # param_names (from param_groups()) let name-matching clippers work through step()
-            names = g.get("param_names") or [f"group{k}.param{i}" for i in range(len(g["params"]))]
+            names = g.get("param_names") or [self._model_names.get(id(p)) for p in g["params"]]
             named.extend(zip(names, g["params"]))
         return named
 
@@ -314,7 +329,7 @@ class TrainOptimizer:
 
         if self._world() > 1 and dist.get_backend(self.process_group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
-        return _local(self._params()[0][1]).device
+        return _local(self.optimizer.param_groups[0]["params"][0]).device
 
     def backward(self, loss_sum: torch.Tensor, num_tokens) -> None:
         """Back-propagate one micro-batch's summed token loss; count its target tokens."""
@@ -352,22 +367,27 @@ class TrainOptimizer:
             self.scaler.unscale_(self.optimizer)
         if self._pre_factor is None:
             world = self._world() if self.grads_averaged else 1
-            factor = (world / self._totals[0].clamp(min=1.0)).float()
-            by_device: dict = {}
+            factor = (world / self._totals[0].clamp(min=1.0)).double()
+            by_bucket: dict = {}
             for _, p in self._params():
                 if p.grad is not None:
                     g = _local(p.grad)
-                    by_device.setdefault(g.device, []).append(g)
-            for device, grads in by_device.items():
-                torch._foreach_mul_(grads, factor.to(device))
+                    by_bucket.setdefault((g.device, g.dtype == torch.float64), []).append(g)
+            for (device, f64), grads in by_bucket.items():
+                torch._foreach_mul_(grads, factor.to(device, torch.float64 if f64 else torch.float32))
         self._prepared = True
 
     def step(self, clipper=None) -> StepResult:
         """Normalise, clip (``clipper(named_params)``), update unless non-finite, zero grads."""
         self.prepare_grads()
-        params = self._params()
-        clip = clipper(params) if clipper is not None else None
-        norm = clip.norm_before if clip is not None else grad_norm(params)
+        named = self._params()
+        params = [p for _, p in named]
+        if clipper is not None and getattr(clipper, "reports_global_norm", False):
+            clip = clipper([(n, p) if n is not None else p for n, p in named])
+            norm = clip.norm_before  # the norm of every gradient it was given: all of them
+        else:
+            norm = grad_norm(params)  # before clipping: the finiteness check sees every gradient
+            clip = clipper([(n, p) if n is not None else p for n, p in named]) if clipper is not None else None
         totals = self._totals
         tokens, loss_sum, norm_v = torch.cat([totals.double().cpu(), norm.double().reshape(1).cpu()]).tolist()
         skipped = not math.isfinite(norm_v)

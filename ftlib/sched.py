@@ -51,19 +51,23 @@ def _check_ratio(name: str, value: float) -> float:
     return value
 
 
-def resolve_warmup(total: float, warmup: float | None = None, warmup_ratio: float | None = None) -> float:
-    """Warmup length in units of ``total``, from an absolute length or a ratio of ``total``."""
+def resolve_warmup(total: float, warmup: float | None = None, warmup_ratio: float | None = None, *,
+                   name: str = "warmup") -> float:
+    """Warmup length in units of ``total``, from an absolute length or a ratio of ``total``.
+
+    ``name`` is the phase the length is for, as errors name it (WSD resolves its ``decay`` here too).
+    """
     if not total > 0 or not math.isfinite(total):
         raise ValueError(f"total must be a finite number > 0, got {total}")
     if warmup is not None and warmup_ratio is not None:
-        raise ValueError("give warmup or warmup_ratio, not both")
+        raise ValueError(f"give {name} or {name}_ratio, not both")
     if warmup_ratio is not None:
-        warmup = _check_ratio("warmup_ratio", warmup_ratio) * total
+        warmup = _check_ratio(f"{name}_ratio", warmup_ratio) * total
     warmup = 0.0 if warmup is None else float(warmup)
     if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
+        raise ValueError(f"{name} must be >= 0, got {warmup}")
     if warmup > total:
-        raise ValueError(f"warmup ({warmup}) is longer than total ({total})")
+        raise ValueError(f"{name} ({warmup}) is longer than total ({total})")
     return warmup
 
 
@@ -126,7 +130,7 @@ class WSD:
         self.total, self.shape = float(total), shape
         if decay is not None:
             decay_ratio = None
-        self.decay_len = resolve_warmup(total, decay, decay_ratio)  # same checks: 0 <= D <= T
+        self.decay_len = resolve_warmup(total, decay, decay_ratio, name="decay")  # same checks: 0 <= D <= T
         if self.warmup + self.decay_len > self.total:
             raise ValueError(f"warmup ({self.warmup}) + decay ({self.decay_len}) exceed total ({self.total})")
         self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
