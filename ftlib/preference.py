@@ -198,8 +198,8 @@ def reference_pair_logps(model, batch: dict, *, reference_model=None, autocast=N
 
     In order: the batch's precomputed ``ref_chosen`` / ``ref_rejected`` when present (token counts
     from the labels); else ``reference_model`` when given (a frozen model, e.g. for full fine-tuning);
-    else ``model`` with its adapters disabled. ``autocast``: a context (e.g. ``opt.autocast()``) so
-    the reference runs in the training precision.
+    else ``model`` with its adapters disabled. ``autocast``: a callable returning a context manager
+    (e.g. ``opt.autocast``) so the reference runs in the training precision.
     """
     if "ref_chosen" in batch:
         labels = batch["labels"]
@@ -216,7 +216,7 @@ def reference_pair_logps(model, batch: dict, *, reference_model=None, autocast=N
             count = valid.sum(1)
         ci, ri = batch["chosen_index"].to(count.device), batch["rejected_index"].to(count.device)
         return PairLogps(batch["ref_chosen"].float(), batch["ref_rejected"].float(), count[ci], count[ri])
-    ctx = autocast if autocast is not None else nullcontext()
+    ctx = autocast() if autocast is not None else nullcontext()
     if reference_model is not None:
         with ctx:
             return pair_logps(reference_model, batch, chunk_size=chunk_size)
