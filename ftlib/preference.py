@@ -238,22 +238,28 @@ def precompute_reference(model, cache, name: str, *, pad_id: int, seq_len: int |
     summed over response tokens; metadata: the cache fingerprint, ``description``) atomically and
     attaches it (``cache.reference``), so the ``PairLoader`` batches carry ``ref_chosen`` /
     ``ref_rejected`` and ``reference_pair_logps`` reads them. The pass runs like
-    ``reference_pair_logps`` (adapters disabled, or ``reference_model``), in packed rows of
-    ``seq_len`` (default: the longest pair), ``batch_size`` rows per forward. Returns the cache.
+    ``reference_pair_logps`` (adapters disabled, or ``reference_model``; ``autocast`` a context
+    factory such as ``opt.autocast``), in packed rows of ``seq_len`` (default: the longest pair),
+    ``batch_size`` rows per forward. Under torch.distributed every rank must call it: each computes
+    its share of the pairs, the values are summed across ranks, rank 0 writes the file and every
+    rank attaches it. Returns the cache.
     """
+    import torch.distributed as dist
+
     from ._atomic import atomic_write
     from .data.pair_batches import PairLoader
 
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
     ref_attached, cache.reference = cache.reference, None  # batches must not carry an old reference
     try:
         sc, sr = cache.side_lengths
         seq_len = seq_len or int((sc + sr).max())
         loader = PairLoader(cache, batch_size=batch_size, pad_id=pad_id, seq_len=seq_len, packing=True,
-                            shuffle=False, drop_last=False)
-        chosen = np.full(len(cache), np.nan)
-        rejected = np.full(len(cache), np.nan)
+                            shuffle=False, drop_last=False, rank=rank, world_size=world)
+        values = np.zeros((3, len(cache)))  # chosen, rejected, computed-here count
         it = loader
-        if progress:
+        if progress and rank == 0:
             from tqdm.auto import tqdm
 
             it = tqdm(loader, total=len(loader), desc=f"reference {name}")
@@ -263,23 +269,34 @@ def precompute_reference(model, cache, name: str, *, pad_id: int, seq_len: int |
                 batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             ref = reference_pair_logps(model, batch, reference_model=reference_model, autocast=autocast,
                                        chunk_size=chunk_size)
-            chosen[ids] = ref.chosen.double().cpu().numpy()
-            rejected[ids] = ref.rejected.double().cpu().numpy()
+            values[0, ids] = ref.chosen.double().cpu().numpy()
+            values[1, ids] = ref.rejected.double().cpu().numpy()
+            values[2, ids] += 1
+        if world > 1:
+            comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            t = torch.from_numpy(values).to(comm)
+            dist.all_reduce(t)
+            values = t.cpu().numpy()
     except BaseException:
         cache.reference = ref_attached
         raise
-    missing = np.flatnonzero(~(np.isfinite(chosen) & np.isfinite(rejected)))
-    if len(missing):
-        raise RuntimeError(f"precompute_reference: {len(missing)} pairs got no finite reference log-prob "
-                           f"(first: pair {int(missing[0])})")
-    from safetensors.numpy import save
+    chosen, rejected, seen = values
+    bad = np.flatnonzero((seen != 1) | ~np.isfinite(chosen) | ~np.isfinite(rejected))
+    if len(bad):
+        raise RuntimeError(f"precompute_reference: {len(bad)} pairs got no single finite reference log-prob "
+                           f"(first: pair {int(bad[0])})")
+    if rank == 0:
+        from safetensors.numpy import save
 
-    meta = {"cache_fingerprint": cache.fingerprint(), "name": name, "n_pairs": str(len(cache)),
-            "description": description, "format": "ftlib-pair-reference-v1"}
-    path = cache.reference_path(name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    data = save({"chosen": chosen, "rejected": rejected}, metadata=meta)
-    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+        meta = {"cache_fingerprint": cache.fingerprint(), "name": name, "n_pairs": str(len(cache)),
+                "description": description, "format": "ftlib-pair-reference-v1"}
+        path = cache.reference_path(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = save({"chosen": np.ascontiguousarray(chosen), "rejected": np.ascontiguousarray(rejected)},
+                    metadata=meta)
+        atomic_write(path, lambda tmp: tmp.write_bytes(data))
+    if world > 1:
+        dist.barrier()
     cache.load_reference(name)
     return cache
 

@@ -5,6 +5,7 @@ import copy
 import math
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -400,3 +401,14 @@ def test_packed_equals_padded_on_cuda_bf16():
     full = sequence_logprobs(hidden.double(), model.lm_head.weight.double(), packed["labels"].cuda(),
                              cu_seqlens=packed["cu_seqlens"].cuda())
     torch.testing.assert_close(seq.sum.double(), full.sum, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.distributed
+def test_precompute_reference_on_two_ranks(tmp_path, tokenizer_and_pairs):
+    """Under torchrun each rank computes part of the pairs; the file holds every pair's value, equal to
+    one process's pass, and both ranks attach the same reference."""
+    from _torchrun import run_torchrun
+
+    cache, _ = tokenizer_and_pairs
+    (tmp_path / "cache").write_text(cache.path)
+    run_torchrun(Path(__file__).parent / "_dist_pairs_worker.py", tmp_path, timeout=300)
