@@ -83,11 +83,11 @@ def _approx_nbytes(obj) -> int:
 _W: dict[str, Any] = {}
 
 
-def _make_formatter(tokenizer, config):
-    """Formatter hook: a config with ``make_formatter(tokenizer)`` brings its own formatter (pair
-    data, ``ftlib.data.pairs``); a formatter with ``extra_columns`` ((name, dtype), ...) gives each
-    document an ``extra`` dict, stored as one Arrow column per name (``TokenCache.extra``)."""
-    make = getattr(config, "make_formatter", None)
+def _formatter(config, tokenizer):
+    """Formatter hook: a config with ``formatter(tokenizer)`` brings its own formatter (preference
+    pairs, ``ftlib.data.pairs``). A config may declare ``columns`` (names): each document then
+    carries one int per name in its ``extra`` dict, stored as an int64 column (``cache.columns``)."""
+    make = getattr(config, "formatter", None)
     return make(tokenizer) if make is not None else Formatter(tokenizer, config)
 
 
@@ -97,20 +97,20 @@ def _worker_init(tok_json: str, cfg, strict: bool, dtype: str = "uint32", in_wor
     from tokenizers import Tokenizer
 
     config = FormatConfig(**cfg) if isinstance(cfg, dict) else cfg
-    _W["fmt"] = _make_formatter(Tokenizer.from_str(tok_json), config)
+    _W["fmt"] = _formatter(config, Tokenizer.from_str(tok_json))
+    _W["columns"] = tuple(getattr(config, "columns", ()))
     _W["strict"] = strict
     _W["dtype"] = np.dtype(dtype)
 
 
 def _work(task):
-    """(shard_idx, items, nbytes, last) -> (shard_idx, last, ids, mask, lengths, report, n_trunc, nbytes, extra)."""
+    """(shard_idx, items, nbytes, last) -> (shard_idx, last, ids, mask, lengths, report, n_trunc, nbytes, columns)."""
     shard_idx, items, nbytes, last = task
     fmt: Formatter = _W["fmt"]
     report = SkipReport(strict=_W["strict"])
     n0 = fmt.n_truncated
     ids, masks, lens = [], [], []
-    extra_cols = getattr(fmt, "extra_columns", ())
-    extra: dict[str, list] = {name: [] for name, _ in extra_cols}
+    cols: dict[str, list[int]] = {c: [] for c in _W["columns"]}
     for item in items:
         rec = decode_item(item, report)
         if rec is None:
@@ -121,8 +121,8 @@ def _work(task):
         ids.append(doc.input_ids)
         masks.append(doc.loss_mask)
         lens.append(len(doc.input_ids))
-        for name in extra:
-            extra[name].append(doc.extra[name])
+        for c in cols:
+            cols[c].append(int(doc.extra[c]))
     # ids leave the worker in the cache's dtype: a shard waits in the parent until its last chunk,
     # and int64 there would take 4x (uint16) the memory of the finished cache
     dtype = _W["dtype"]
@@ -132,20 +132,20 @@ def _work(task):
                          f"cache dtype {dtype}")
     masks_flat = np.concatenate(masks).astype(np.uint8, copy=False) if masks else np.zeros(0, np.uint8)
     return (shard_idx, last, flat.astype(dtype), masks_flat, np.asarray(lens, np.int64),
-            report.to_dict(), fmt.n_truncated - n0, nbytes,
-            {name: np.asarray(extra[name], dtype=dt) for name, dt in extra_cols})
+            report.to_dict(), fmt.n_truncated - n0, nbytes, {c: np.asarray(v, np.int64) for c, v in cols.items()})
 
 
 # ---- writer -----------------------------------------------------------------------------------
 def _write_shard(shards_dir: str, key: str, meta: dict, ids: np.ndarray, mask: np.ndarray,
-                 lengths: np.ndarray, dtype: np.dtype, extra: dict | None = None) -> dict:
+                 lengths: np.ndarray, dtype: np.dtype, columns: dict | None = None) -> dict:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     off = pa.array(offsets, type=pa.int64())
     batch = pa.record_batch(  # pa.array of a NumPy array without nulls wraps its buffer (no copy)
         [pa.LargeListArray.from_arrays(off, pa.array(ids.astype(dtype, copy=False))),
-         pa.LargeListArray.from_arrays(off, pa.array(mask))] + [pa.array(v) for v in (extra or {}).values()],
-        names=["input_ids", "loss_mask"] + list(extra or {}),
+         pa.LargeListArray.from_arrays(off, pa.array(mask))]
+        + [pa.array(v, type=pa.int64()) for v in (columns or {}).values()],
+        names=["input_ids", "loss_mask", *(columns or {})],
     )
     arrow_path = os.path.join(shards_dir, key + ".arrow")
     written = {}
@@ -203,7 +203,7 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
     fmt_fp = config.fingerprint()
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
-    _make_formatter(tokenizer, config)  # validate settings (special tokens etc.) before any work
+    _formatter(config, tokenizer)  # validate settings (special tokens etc.) before any work
     shards_dir = os.path.join(cache_dir, "shards")
     os.makedirs(shards_dir, exist_ok=True)
 
@@ -242,8 +242,8 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
         info = {i: (sh, fp) for i, sh, fp in todo}
 
         def handle(res):
-            i, last, ids, mask, lens, rep, ntr, nbytes, extra = res
-            acc[i].append((ids, mask, lens, rep, ntr, extra))
+            i, last, ids, mask, lens, rep, ntr, nbytes, cols = res
+            acc[i].append((ids, mask, lens, rep, ntr, cols))
             bar.update(nbytes)
             if not last:
                 return
@@ -256,9 +256,9 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
             meta = {"source": sh.path, "source_fingerprint": fp, "skipped": srep.to_dict(),
                     "n_truncated": int(sum(p[4] for p in parts))}
             ids, mask, lens = (np.concatenate([p[j] for p in parts]) for j in range(3))
-            extra = {k: np.concatenate([p[5][k] for p in parts]) for k in parts[0][5]}
+            cols = {c: np.concatenate([p[5][c] for p in parts]) for c in parts[0][5]}
             del parts  # the chunks are copied: free them before writing
-            metas[i] = _write_shard(shards_dir, keys[i], meta, ids, mask, lens, dtype, extra)
+            metas[i] = _write_shard(shards_dir, keys[i], meta, ids, mask, lens, dtype, cols)
 
         cfg = asdict(config) if isinstance(config, FormatConfig) else config
         if num_proc <= 1:
@@ -280,7 +280,8 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
 
     manifest = {
         "version": CACHE_VERSION, "tokenizer_sha256": tok_hash, "format_config": asdict(config),
-        "format_fingerprint": fmt_fp, "dtype": dtype.name, "vocab_size": vocab,
+        "format_fingerprint": fmt_fp, "columns": list(getattr(config, "columns", ())), "dtype": dtype.name,
+        "vocab_size": vocab,
         "fingerprint_mode": "sha256" if full_hash else "sampled-sha256",
         "shards": [{"source": sh.path, "key": k} for sh, k in zip(shards, keys)],
         "n_docs": int(sum(metas[i]["n_docs"] for i in range(len(shards)))),
@@ -297,7 +298,8 @@ class TokenCache:
     """A built cache, memory-mapped. ``cache[i] -> (input_ids, loss_mask)`` NumPy views.
 
     ``lengths`` (n_docs,) int64; ``n_tokens``; ``report`` (SkipReport of the build);
-    ``n_truncated``; ``dtype``. Pickles as its path, so DataLoader workers reopen it.
+    ``n_truncated``; ``columns`` (a formatter hook's per-document int64 columns); ``dtype``. Pickles
+    as its path, so DataLoader workers reopen it.
     """
 
     def __init__(self, cache_dir: str, verify: str = "sample"):
@@ -316,7 +318,7 @@ class TokenCache:
         self.n_truncated = 0
         self.n_built = 0
         self._ids, self._mask, self._off, self._maps = [], [], [], []
-        extra: dict[str, list] = {}
+        cols: dict[str, list] = {c: [] for c in self.manifest.get("columns", [])}
         sdir = os.path.join(cache_dir, "shards")
         for s in self.manifest["shards"]:
             apath = os.path.join(sdir, s["key"] + ".arrow")
@@ -342,8 +344,8 @@ class TokenCache:
             self._ids.append(ids)
             self._mask.append(mask)
             self._off.append(off)
-            for name in batch.schema.names[2:]:  # per-document columns of a formatter hook
-                extra.setdefault(name, []).append(batch.column(name).to_numpy(zero_copy_only=False))
+            for c in cols:  # per-document int64 columns of a formatter hook
+                cols[c].append(batch.column(c).to_numpy(zero_copy_only=True))
             self.report.merge(meta["skipped"])
             self.n_truncated += meta["n_truncated"]
         counts = np.array([len(o) - 1 for o in self._off], dtype=np.int64)
@@ -351,7 +353,7 @@ class TokenCache:
         self.lengths = (np.concatenate([np.diff(o) for o in self._off]) if self._off
                         else np.zeros(0, np.int64)).astype(np.int64)
         self.n_tokens = int(self.lengths.sum())
-        self.extra = {k: np.concatenate(v) for k, v in extra.items()}  # name -> (n_docs,) array
+        self.columns = {c: np.concatenate(v) if v else np.zeros(0, np.int64) for c, v in cols.items()}
 
     def __len__(self) -> int:
         return int(self._starts[-1])

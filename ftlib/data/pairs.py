@@ -42,8 +42,9 @@ strict mode and are counted in lenient mode.
 Cache layout. One cache document per pair: ``input_ids = prompt | chosen | rejected`` and a
 ``loss_mask`` of bit flags: bit 0 = the token carries loss, bit 1 = chosen response, bit 2 =
 rejected response (0 = prompt, 3 = chosen token with loss, 5 = rejected token with loss, ...).
-Per-document columns: ``prompt_len``, ``chosen_len``, ``rejected_len`` (int32) and
-``reward_chosen``, ``reward_rejected``, ``margin`` (float64, NaN = absent). The **pair id** is
+Per-document columns (the cache's int64 columns): ``prompt_len``, ``chosen_len``,
+``rejected_len``, and ``reward_chosen``, ``reward_rejected``, ``margin`` as the int64 bit patterns
+of float64 values (exact; NaN = absent; ``PairCache`` views them back as floats). The **pair id** is
 the document index in the cache (stable for a given cache: sources in order, records in order).
 A pair cache is an ordinary ``TokenCache`` (fingerprinted, incremental, memory-mapped); do not
 train SFT on it (its mask is not a 0/1 loss mask). Reference log-probabilities can be
@@ -57,24 +58,33 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from .cache import CacheError, TokenCache, build_cache
 from .formatting import BUILTIN_TEMPLATES, FormatConfig, Formatter
-from .sources import SkipReport
 
 __all__ = ["PairConfig", "PairDoc", "PairFormatter", "PairCache", "build_pair_cache", "open_pair_cache",
            "LOSS_BIT", "CHOSEN_BIT", "REJECTED_BIT"]
 
 LOSS_BIT, CHOSEN_BIT, REJECTED_BIT = 1, 2, 4
-_EXTRA = (("prompt_len", "int32"), ("chosen_len", "int32"), ("rejected_len", "int32"),
-          ("reward_chosen", "float64"), ("reward_rejected", "float64"), ("margin", "float64"))
+_LENGTHS = ("prompt_len", "chosen_len", "rejected_len")
+_SCORES = ("reward_chosen", "reward_rejected", "margin")  # float64, stored as their int64 bit patterns
+
+
+def _float_bits(x: float) -> int:
+    return int(np.float64(x).view(np.int64))
 
 
 @dataclass(frozen=True)
 class PairConfig:
-    """How preference records become pair documents (plain values: hashed into the cache key)."""
+    """How preference records become pair documents (plain values: hashed into the cache key).
+
+    ``formatter(tokenizer)`` and ``columns`` are the token cache's formatter hook.
+    """
+
+    columns: ClassVar[tuple[str, ...]] = _LENGTHS + _SCORES
 
     kind: str = "chat"  # "chat" | "text"
     prompt_field: str = "prompt"
@@ -114,7 +124,8 @@ class PairConfig:
         d["layout"] = "pairs-v1"
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
-    def make_formatter(self, tokenizer) -> PairFormatter:
+    def formatter(self, tokenizer) -> PairFormatter:
+        """The callable that formats records with these settings (the token cache's hook)."""
         return PairFormatter(tokenizer, self)
 
 
@@ -123,7 +134,7 @@ class PairDoc:
     input_ids: np.ndarray  # (p + c + r,) int64: prompt | chosen | rejected
     loss_mask: np.ndarray  # (p + c + r,) uint8 bit flags (module docstring)
     truncated: bool
-    extra: dict  # prompt_len, chosen_len, rejected_len, reward_chosen, reward_rejected, margin
+    extra: dict  # PairConfig.columns -> int (the scores as float64 bit patterns)
 
 
 def _runs(mask: np.ndarray) -> np.ndarray:
@@ -133,9 +144,10 @@ def _runs(mask: np.ndarray) -> np.ndarray:
 
 
 class PairFormatter:
-    """Callable ``formatter(record, location, report) -> PairDoc | None`` (see the module docstring)."""
+    """Callable ``formatter(record, location, report) -> PairDoc | None`` (see the module docstring).
 
-    extra_columns = _EXTRA
+    ``report`` is a ``ftlib.data.SkipReport``; ``stats`` counts truncated pairs.
+    """
 
     def __init__(self, tokenizer, config: PairConfig):
         self.tok, self.cfg = tokenizer, config
@@ -146,10 +158,14 @@ class PairFormatter:
             kind="chat" if c.kind == "chat" else "text", chat_template=c.chat_template, turn_end=c.turn_end,
             bos_token=c.bos_token, eos_token=c.eos_token, add_bos=c.add_bos, add_eos=add_eos))
         self.add_eos = add_eos
-        self.n_truncated = 0
+        self.stats = {"n_truncated": 0}
+
+    @property
+    def n_truncated(self) -> int:
+        return self.stats["n_truncated"]
 
     # -- record -> messages ----------------------------------------------------------------------
-    def _messages(self, value, field: str, where: str, report: SkipReport, role: str | None):
+    def _messages(self, value, field: str, where: str, report, role: str | None):
         if isinstance(value, str):
             if role is None:
                 report.add("bad_field", where, f"field {field!r}: a string needs a prompt field beside it")
@@ -164,7 +180,7 @@ class PairFormatter:
                 return None
         return [{"role": m["role"], "content": m["content"]} for m in value]
 
-    def conversation(self, rec: dict, where: str, report: SkipReport):
+    def conversation(self, rec: dict, where: str, report):
         """(prompt, chosen, rejected) message lists of a chat record, or None (reported)."""
         c = self.cfg
         for f in (c.chosen_field, c.rejected_field):
@@ -214,7 +230,7 @@ class PairFormatter:
                 return None
         return prompt, chosen, rejected
 
-    def _number(self, rec: dict, field: str, where: str, report: SkipReport):
+    def _number(self, rec: dict, field: str, where: str, report):
         v = rec.get(field)
         if v is None:
             return math.nan
@@ -300,7 +316,7 @@ class PairFormatter:
                     cut = True
         return prompt, chosen, rejected, cut
 
-    def __call__(self, rec: dict, where: str, report: SkipReport) -> PairDoc | None:
+    def __call__(self, rec: dict, where: str, report) -> PairDoc | None:
         c = self.cfg
         rewards = [self._number(rec, f, where, report)
                    for f in (c.reward_chosen_field, c.reward_rejected_field, c.margin_field)]
@@ -323,7 +339,7 @@ class PairFormatter:
             return None
         prompt, chosen, rejected, cut = self._truncate(prompt, chosen, rejected)
         if cut:
-            self.n_truncated += 1
+            self.stats["n_truncated"] += 1
             if same(chosen, rejected):
                 report.add("identical_after_truncation", where,
                            f"the responses differ only after max_length={c.max_length}; raise it")
@@ -336,7 +352,7 @@ class PairFormatter:
                                 CHOSEN_BIT | (chosen[1] != 0).astype(np.uint8),
                                 REJECTED_BIT | (rejected[1] != 0).astype(np.uint8)]).astype(np.uint8)
         extra = {"prompt_len": len(prompt), "chosen_len": len(chosen[0]), "rejected_len": len(rejected[0]),
-                 "reward_chosen": rewards[0], "reward_rejected": rewards[1], "margin": rewards[2]}
+                 **{k: _float_bits(v) for k, v in zip(_SCORES, rewards)}}
         return PairDoc(ids, flags, cut, extra)
 
 
@@ -353,17 +369,15 @@ class PairCache:
     def __init__(self, cache: TokenCache | str, reference: str | None = None, verify: str = "sample"):
         self.tokens = cache if isinstance(cache, TokenCache) else TokenCache(cache, verify=verify)
         self.path = self.tokens.path
-        missing = [n for n, _ in _EXTRA if n not in self.tokens.extra]
+        ex = getattr(self.tokens, "columns", {})
+        missing = [n for n in PairConfig.columns if n not in ex]
         if missing:
             raise CacheError(f"{self.path}: not a pair cache (no {missing} columns); build it with "
                              "ftlib.data.pairs.build_pair_cache")
-        ex = self.tokens.extra
-        self.prompt_len, self.chosen_len, self.rejected_len = (ex[k].astype(np.int64) for k in
-                                                               ("prompt_len", "chosen_len", "rejected_len"))
+        self.prompt_len, self.chosen_len, self.rejected_len = (ex[k].astype(np.int64) for k in _LENGTHS)
         if not np.array_equal(self.prompt_len + self.chosen_len + self.rejected_len, self.tokens.lengths):
             raise CacheError(f"{self.path}: pair lengths disagree with the stored documents (corrupt); rebuild")
-        self.reward_chosen, self.reward_rejected, self.margin = (ex[k] for k in ("reward_chosen", "reward_rejected",
-                                                                                 "margin"))
+        self.reward_chosen, self.reward_rejected, self.margin = (ex[k].astype(np.int64).view(np.float64) for k in _SCORES)
         self.effective_margin = np.where(np.isfinite(self.margin), self.margin, self.reward_chosen - self.reward_rejected)
         self.report, self.n_truncated = self.tokens.report, self.tokens.n_truncated
         self.reference: dict | None = None

@@ -26,6 +26,11 @@ def _fmt(tokenizer, cfg=CFG):
     return PairFormatter(tokenizer, cfg)
 
 
+def _score(doc, name):
+    """A score column of a PairDoc: float64 carried as its int64 bit pattern (the cache's columns are int64)."""
+    return float(np.int64(doc.extra[name]).view(np.float64))
+
+
 def _split(tokenizer, doc):
     """(prompt text, chosen text, chosen loss text, rejected text, rejected loss text) of a PairDoc."""
     ids, flags = doc.input_ids, doc.loss_mask
@@ -47,7 +52,8 @@ def test_string_pair_chat_masks_only_the_response(tokenizer):
     assert (e["prompt_len"], e["chosen_len"], e["rejected_len"]) == (
         int((doc.loss_mask == 0).sum()), int((doc.loss_mask & CHOSEN_BIT).astype(bool).sum()),
         int((doc.loss_mask & REJECTED_BIT).astype(bool).sum()))
-    assert np.isnan(e["reward_chosen"]) and np.isnan(e["margin"]) and not doc.truncated
+    assert np.isnan(_score(doc, "reward_chosen")) and np.isnan(_score(doc, "margin")) and not doc.truncated
+    assert sorted(e) == sorted(PairConfig.columns) and all(isinstance(v, int) for v in e.values())
 
 
 def test_conventions_give_the_same_document(tokenizer):
@@ -85,7 +91,8 @@ def test_system_field_and_rewards(tokenizer):
                                 "rejected": "hi", "score_chosen": 7, "score_rejected": 2.5, "margin": None},
                                "f:1", SkipReport())
     assert _split(tokenizer, doc)[0].startswith("<|im_start|>system\nthe quick brown fox<|im_end|>")
-    assert doc.extra["reward_chosen"] == 7.0 and doc.extra["reward_rejected"] == 2.5 and np.isnan(doc.extra["margin"])
+    assert _score(doc, "reward_chosen") == 7.0 and _score(doc, "reward_rejected") == 2.5
+    assert np.isnan(_score(doc, "margin"))
 
 
 def test_text_kind(tokenizer):
@@ -164,7 +171,8 @@ def test_truncated_pairs_counted_and_identical_tails_reported(tokenizer):
     rec = {"prompt": "the quick brown fox jumps over the lazy dog " * 3, "chosen": "hello world the sky",
            "rejected": "hello world the dog"}
     doc = f(rec, "f:1", SkipReport())
-    assert doc.truncated and f.n_truncated == 1 and len(doc.input_ids) - doc.extra["rejected_len"] <= 20
+    assert doc.truncated and f.n_truncated == 1 == f.stats["n_truncated"]
+    assert len(doc.input_ids) - doc.extra["rejected_len"] <= 20
     rec = {"prompt": "why", "chosen": "hello " * 30 + "world", "rejected": "hello " * 30 + "dog"}
     with pytest.raises(DataError, match="identical_after_truncation: the responses differ only after max_length=20"):
         f(rec, "f:2", SkipReport())
@@ -181,6 +189,7 @@ def test_pair_cache_round_trip_and_reuse(tmp_path, tokenizer, write_jsonl):
         build_pair_cache(src, tokenizer, cfg, str(tmp_path / "strict"), progress=False)
     cache = build_pair_cache(src, tokenizer, cfg, str(tmp_path / "c"), strict=False, progress=False, num_proc=2)
     assert len(cache) == 11 and cache.report.counts == {"identical_responses": 1}
+    assert set(PairConfig.columns) <= set(cache.tokens.columns) and cache.tokens.columns["margin"].dtype == np.int64
     fmt = PairFormatter(tokenizer, cfg)
     kept = [r for i, r in enumerate(recs) if i != 3]
     for i, rec in enumerate(kept):
