@@ -104,7 +104,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-generate", type=int, default=64, help="held-out prompts to generate for exact match (0: off)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
-    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="default 0: dropout would make the policy log-probs noisy against the dropout-free reference")
     p.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
     p.add_argument("--rslora", action="store_true")
     p.add_argument("--dora", action="store_true")
@@ -222,8 +223,10 @@ def main(argv=None):
 
     # 3. pairs: tokenized once into a pair cache; both sides of a pair packed into the same row.
     template = args.chat_template or tok.chat_template or "chatml"
+    # chat: the template writes BOS if the model wants one; text: BOS first when the tokenizer has one
     pcfg = PairConfig(kind=args.format, chat_template=template if args.format == "chat" else None,
                       eos_token=tok.eos_token, bos_token=tok.bos_token, max_length=args.max_length,
+                      add_bos=args.format == "text" and tok.bos_token is not None,
                       max_prompt_length=args.max_prompt_length)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     caches = {}
