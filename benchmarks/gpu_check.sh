@@ -3,10 +3,12 @@
 #   1. every test marked `gpu` (correctness of the kernels, natively on CUDA), and
 #   2. the attention kernel benchmark (TFLOP/s vs SDPA and flash-attn),
 #   3. the LoRA kernel benchmark (fused vs unfused vs PEFT),
-#   4. the token augmentation kernel benchmark (GB/s vs copy bandwidth).
+#   4. the token augmentation kernel benchmark (GB/s vs copy bandwidth),
+#   5. the DPO step benchmark (packed vs padded pairs).
 # Usage: benchmarks/gpu_check.sh OUT_DIR   (PYTHON=... selects the interpreter)
 # Writes OUT_DIR/pytest_gpu.log, OUT_DIR/bench_attention.log, OUT_DIR/attention.csv,
-# OUT_DIR/bench_lora.log, OUT_DIR/lora_gpu.csv, OUT_DIR/bench_augment.log and OUT_DIR/augment.csv.
+# OUT_DIR/bench_lora.log, OUT_DIR/lora_gpu.csv, OUT_DIR/bench_augment.log, OUT_DIR/augment.csv,
+# OUT_DIR/bench_dpo.log and OUT_DIR/dpo.csv.
 # Exits non-zero when a step fails; later steps still run.
 set -uo pipefail
 
@@ -54,6 +56,11 @@ PYTHONUNBUFFERED=1 timeout 90 "$PY" benchmarks/bench_lora.py --kernels --out "$O
 echo "== benchmarks/bench_augment.py (limit 60 s)"
 PYTHONUNBUFFERED=1 timeout 60 "$PY" benchmarks/bench_augment.py --out "$OUT/augment.csv" --budget-s 40 \
     2>&1 | tee "$OUT/bench_augment.log" || status=1
+
+# DPO step, packed vs padded pairs (real tokens/s, peak memory); stops starting passes after 90 s.
+echo "== benchmarks/bench_dpo.py (limit 150 s)"
+PYTHONUNBUFFERED=1 timeout 150 "$PY" benchmarks/bench_dpo.py --preset gpu --csv "$OUT/dpo.csv" --budget-s 90 \
+    2>&1 | tee "$OUT/bench_dpo.log" || status=1
 
 echo "gpu_check: done, status $status, outputs in $OUT"
 exit $status
