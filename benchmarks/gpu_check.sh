@@ -3,7 +3,8 @@
 #   1. every test marked `gpu` (correctness of the kernels, natively on CUDA), and
 #   2. the attention kernel benchmark (TFLOP/s vs SDPA and flash-attn).
 # Usage: benchmarks/gpu_check.sh OUT_DIR   (PYTHON=... selects the interpreter)
-# Writes OUT_DIR/pytest_gpu.log, OUT_DIR/bench_attention.log and OUT_DIR/attention.csv.
+# Writes OUT_DIR/pytest_gpu.log, OUT_DIR/bench_attention.log and OUT_DIR/attention.csv
+# (and OUT_DIR/bench_offload.log, OUT_DIR/offload.csv).
 # Exits non-zero when a step fails; later steps still run.
 set -uo pipefail
 
@@ -37,6 +38,11 @@ FTLIB_ATTN_AUTOTUNE=0 timeout 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider 
 echo "== benchmarks/bench_attention.py (limit 240 s)"
 PYTHONUNBUFFERED=1 timeout 240 "$PY" benchmarks/bench_attention.py --out "$OUT/attention.csv" --budget-s 190 \
     2>&1 | tee "$OUT/bench_attention.log" || status=1
+
+# Activation offloading vs checkpointing vs save_on_cpu: step time and peak memory (stops new rounds at 90 s).
+echo "== benchmarks/bench_offload.py (limit 120 s)"
+PYTHONUNBUFFERED=1 timeout 120 "$PY" benchmarks/bench_offload.py --out "$OUT/offload.csv" --budget-s 90 \
+    2>&1 | tee "$OUT/bench_offload.log" || status=1
 
 echo "gpu_check: done, status $status, outputs in $OUT"
 exit $status
