@@ -101,6 +101,7 @@ def test_a_tensor_saved_by_several_ops_moves_once():
         assert torch.equal(a, b)
     # saved: h (by tanh's backward and the three linears: one copy), a(h) and b(h) (by the product)
     assert off.stats["offloaded_tensors"] == 3
+    assert off.stats["fetched_on_demand"] + off.stats["prefetched"] == 3  # h comes back once for its four uses
 
 
 def test_retained_graph_backward_twice():
