@@ -100,6 +100,8 @@ def parse_args(argv=None):
     p.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
     p.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default=None,
                    help="default: auto on CUDA (bf16 where supported), fp32 on CPU")
+    p.add_argument("--fallback", choices=["bf16", "fp32"], default=None,
+                   help="with --precision fp16: switch to this after 10 overflow skips within 100 steps")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on every block")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
@@ -189,9 +191,9 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    precision, fallback = args.precision or ("auto" if device.type == "cuda" else "fp32"), None
+    precision, fallback = args.precision or ("auto" if device.type == "cuda" else "fp32"), args.fallback
     if precision == "auto":  # bf16 where the GPU has it, else fp16 falling back to fp32 on overflows
-        precision, fallback = resolve_precision(device.type)
+        precision, fallback = resolve_precision(device.type, args.fallback)
 
     if args.demo:
         from _demo_assets import demo_pairs, make_demo_assets  # examples/_demo_assets.py
