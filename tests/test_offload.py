@@ -236,14 +236,24 @@ def _peak_and_grads(model, ids, ctx=None, setup=None):
     return peak, g
 
 
+def assert_same_as_rerun(got, want, rerun):
+    """Bit-identical when the GPU kernels are deterministic (two plain runs agree bitwise); otherwise no
+    further from ``want`` than a plain rerun is (atomics in an attention backward, say), with slack 2x."""
+    for k in want:
+        noise = float((rerun[k].float() - want[k].float()).abs().max())
+        diff = float((got[k].float() - want[k].float()).abs().max())
+        assert diff <= 2 * noise, (k, diff, noise)
+
+
 @pytest.mark.gpu
 def test_gpu_offload_cuts_peak_memory_with_identical_gradients():
     model = _gpu_model()
     ids = torch.randint(0, 1024, (1, 4096), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     peak_plain, want = _peak_and_grads(model, ids)
+    _, rerun = _peak_and_grads(model, ids)
     off = ActivationOffload()
     peak_off, got = _peak_and_grads(model, ids, off)
-    assert_equal(got, want)  # copies are exact and the kernels are the same
+    assert_same_as_rerun(got, want, rerun)  # the copies are exact: only kernel nondeterminism may differ
     assert off.stats["offloaded_tensors"] > 0 and off.stats["prefetched"] > 0
     print(f"peak activation memory: plain {peak_plain / 2**20:.0f} MiB, offloaded {peak_off / 2**20:.0f} MiB "
           f"({peak_off / peak_plain:.2f}x); moved {off.stats['offloaded_bytes'] / 2**20:.0f} MiB")
@@ -261,8 +271,8 @@ def test_gpu_offload_cuts_peak_memory_with_identical_gradients():
         return undo
 
     peak_mix, got_mix = _peak_and_grads(model, ids, setup=mixed)
-    for k in want:
-        torch.testing.assert_close(got_mix[k], want[k], rtol=0, atol=0)
+    assert_same_as_rerun(got_mix, want, rerun)
+    print(f"checkpoint 3 blocks + offload 3: {peak_mix / 2**20:.0f} MiB ({peak_mix / peak_plain:.2f}x)")
     assert peak_mix < 0.6 * peak_plain
 
 
@@ -270,8 +280,8 @@ def test_gpu_offload_cuts_peak_memory_with_identical_gradients():
 def test_gpu_offload_survives_a_second_step_and_copy_of_model():
     model = _gpu_model(layers=2)
     ids = torch.randint(0, 1024, (2, 512), device="cuda")
-    want = grads(model, None, ids)
+    want, rerun = grads(model, None, ids), grads(model, None, ids)
     off = ActivationOffload(min_bytes=1 << 16)
     for _ in range(2):  # pinned buffers and streams are reused across steps
-        assert_equal(grads(model, off, ids), want)
-    assert_equal(grads(copy.deepcopy(model), ActivationOffload(use_streams=False), ids), want)
+        assert_same_as_rerun(grads(model, off, ids), want, rerun)
+    assert_same_as_rerun(grads(copy.deepcopy(model), ActivationOffload(use_streams=False), ids), want, rerun)
