@@ -9,6 +9,9 @@
 # Writes OUT_DIR/pytest_gpu.log, OUT_DIR/bench_attention.log, OUT_DIR/attention.csv,
 # OUT_DIR/bench_lora.log, OUT_DIR/lora_gpu.csv, OUT_DIR/bench_augment.log, OUT_DIR/augment.csv,
 # OUT_DIR/bench_dpo.log and OUT_DIR/dpo.csv.
+
+# Writes OUT_DIR/pytest_gpu.log, OUT_DIR/bench_attention.log and OUT_DIR/attention.csv
+# (and OUT_DIR/bench_offload.log, OUT_DIR/offload.csv).
 # Exits non-zero when a step fails; later steps still run.
 set -uo pipefail
 
@@ -61,6 +64,11 @@ PYTHONUNBUFFERED=1 timeout 60 "$PY" benchmarks/bench_augment.py --out "$OUT/augm
 echo "== benchmarks/bench_dpo.py (limit 150 s)"
 PYTHONUNBUFFERED=1 timeout 150 "$PY" benchmarks/bench_dpo.py --preset gpu --csv "$OUT/dpo.csv" --budget-s 90 \
     2>&1 | tee "$OUT/bench_dpo.log" || status=1
+
+# Activation offloading vs checkpointing vs save_on_cpu: step time and peak memory (stops new rounds at 90 s).
+echo "== benchmarks/bench_offload.py (limit 120 s)"
+PYTHONUNBUFFERED=1 timeout 120 "$PY" benchmarks/bench_offload.py --out "$OUT/offload.csv" --budget-s 90 \
+    2>&1 | tee "$OUT/bench_offload.log" || status=1
 
 echo "gpu_check: done, status $status, outputs in $OUT"
 exit $status

@@ -10,6 +10,7 @@ Modules (import the ones you need; nothing here pulls in optional dependencies):
 - ``ftlib.sched``    LR schedules (warmup + cosine/linear/constant, WSD, plateau-aware hybrid)
 - ``ftlib.preference``  DPO-family losses, chunked sequence log-probs, reference log-probs (pairs: ``ftlib.data.pairs``)
 - ``ftlib.kernels``  attention dispatch (flash-attn / Triton / PyTorch reference)
+- ``ftlib.offload``  activation offloading to pinned host memory (per block, with checkpointing)
 """
 
 __version__ = "0.1.0"
