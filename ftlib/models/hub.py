@@ -177,10 +177,15 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * base**power)
 
 
-def _check_plain_names(state: dict, config: LlamaConfig, root: Path) -> None:
-    """Refuse tensor names a plain ``LlamaForCausalLM`` lacks (adapters, NF4 weights, extra modules)."""
+def _check_plain_names(state: dict, model: nn.Module, root: Path) -> None:
+    """Refuse tensor names a fresh model of ``model``'s class lacks (adapters, NF4 weights, extra modules).
+
+    The class is the model's own (``LlamaForCausalLM``, or a head such as the reward model's), built
+    on the meta device from the config; adapters and NF4 layers replace modules, not the class.
+    """
+    config: LlamaConfig = model.config
     with torch.device("meta"):
-        expected = set(LlamaForCausalLM(config).state_dict())
+        expected = set(type(model)(config).state_dict())
     extra = [k for k in state if k not in expected]
     if not extra:
         return
@@ -212,7 +217,7 @@ def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_
     root = Path(path)
     limit = parse_size(max_shard_size)
     state = model.state_dict()
-    _check_plain_names(state, config, root)
+    _check_plain_names(state, model, root)
     root.mkdir(parents=True, exist_ok=True)
     if config.tie_word_embeddings:
         head, emb = state.pop("lm_head.weight", None), state.get("model.embed_tokens.weight")
