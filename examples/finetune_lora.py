@@ -240,7 +240,7 @@ def main(argv=None):
 class CausalLMLoss(torch.nn.Module):
     """batch -> (summed token loss, target-token count), without materialising [B, T, V] logits."""
 
-    KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # DESIGN.md batch contract
+    KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # the batch contract of ftlib.data.collate
 
     def __init__(self, model):
         super().__init__()

@@ -178,7 +178,7 @@ class PairLogps:
                 self.rejected / self.rejected_n.clamp(min=1).to(self.rejected.dtype))
 
 
-_LAYOUT = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # DESIGN.md batch contract
+_LAYOUT = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # the batch contract of ftlib.data.collate
 
 
 def pair_logps(model, batch: dict, *, chunk_size: int = 1024) -> PairLogps:

@@ -6,7 +6,7 @@ prompt + rejected, placed next to each other in the same row, each its own atten
 (``cu_seqlens``; no token sees the other side). Rows of ``seq_len`` tokens are filled by
 best-fit decreasing over the pairs' footprints ``2 p + c + r`` (``ftlib.data.packing.pack``), so
 both members of a pair are always in the same row, hence the same micro-batch. The batch follows
-DESIGN.md's packed contract (``input_ids``, ``labels`` with -100 off the responses and on each
+the packed batch contract of ``ftlib.data.collate`` (``input_ids``, ``labels`` with -100 off the responses and on each
 segment's first token, ``position_ids``, ``cu_seqlens``, ``max_seqlen``) plus the bookkeeping:
 
     pair_ids        int64 [P]  the cache pair id of each pair in the batch
