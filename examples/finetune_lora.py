@@ -124,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-merged", action="store_true", help="also write a merged bf16 HF checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--demo", action="store_true", help="tiny model + data built on the fly")
+    # On-device augmentation of each batch (see setup_augmentation at the end of this file).
+    p.add_argument("--augment", action="store_true", help="synonym swap + masking of target tokens on the device")
+    p.add_argument("--augment-lexicon", default=str(Path(__file__).resolve().parent / "demo_lexicon"),
+                   help="folder with synonyms.tsv (+ pos.tsv); default: the demo lexicon")
+    p.add_argument("--augment-swap-prob", type=float, default=0.15)
+    p.add_argument("--augment-mask-prob", type=float, default=0.05)
+    p.add_argument("--augment-mask-token", help="mask token (default: the tokenizer's unk token)")
+    p.add_argument("--neftune-alpha", type=float, default=None, help="NEFTune embedding noise (5-15 typical)")
     return p
 
 
@@ -272,13 +280,19 @@ class CausalLMLoss(torch.nn.Module):
         return causal_lm_loss(self.model, batch)
 
 
-def accumulate(train_model, opt: TrainOptimizer, it, grad_accum: int, device, world: int, pad_id: int) -> TokenStats:
-    """The loop body before ``opt.step``: forward + backward over one window of micro-batches."""
+def accumulate(train_model, opt: TrainOptimizer, it, grad_accum: int, device, world: int, pad_id: int,
+               augment_step=None, step: int = 0) -> TokenStats:
+    """The loop body before ``opt.step``: forward + backward over one window of micro-batches.
+
+    ``augment_step`` (``--augment`` / ``--neftune-alpha``) transforms each micro-batch on the device,
+    keyed by the global micro-batch index, so a resumed run draws the same augmentation."""
     window = TokenStats()
     for micro in range(grad_accum):
         batch = next(it)
         window.add(batch, pad_id)  # token counts for the metrics, on the CPU copy
         batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        if augment_step is not None:  # fresh on every micro-batch, keyed by (seed + rank, micro index)
+            batch = augment_step(batch, step * grad_accum + micro)
         last = micro == grad_accum - 1
         with opt.grad_sync(train_model, enabled=last) if world > 1 else nullcontext():
             with opt.autocast():
@@ -451,6 +465,7 @@ def main(argv=None):
     # 1. base model + tokenizer + adapters.
     model, tok = load_model(args, device, precision)
     log(f"trainable parameters: {count_params(model)}")
+    augment_step = setup_augmentation(args, tok, model, device, rank, log)  # None without the flags
 
     # 2. data.
     loader, eval_loader, fcfg, data_fp = build_data(args, tok, out, rank, world, device)
@@ -500,7 +515,7 @@ def main(argv=None):
         loader.set_epoch(epoch)  # resumes mid-epoch when the loader state says so
         it = iter(loader)
         for _ in range(window, steps_per_epoch):
-            tokens = accumulate(train_model, opt, it, args.grad_accum, device, world, pad_id)
+            tokens = accumulate(train_model, opt, it, args.grad_accum, device, world, pad_id, augment_step, step)
             res = opt.step(clipper)                      # normalise by tokens, clip, step (or skip), zero grads
             sched.step(1, loss=res.loss)
             step += 1
@@ -556,6 +571,45 @@ def main(argv=None):
     if world > 1:
         torch.distributed.destroy_process_group()
     return model, records
+
+
+def setup_augmentation(args, tok, model, device, rank, log):
+    """``--augment`` / ``--neftune-alpha``: a function (batch on the device, micro step) -> batch, or None.
+
+    The synonym table and POS lexicon are built from the TSV folder through the tokenizer (the
+    coverage report says what was dropped), moved to the device once, and applied to the target
+    tokens of every micro-batch (ftlib.augment). NEFTune adds noise to the input embeddings with
+    each packed document's own length (ftlib.embed_noise).
+    """
+    if not args.augment and not args.neftune_alpha:
+        return None
+    from ftlib.augment import AugmentConfig, augment, load_lexicon_dir, resolve_token_id
+    from ftlib.embed_noise import EmbeddingNoise
+
+    tables = None
+    if args.augment:
+        syn, lex = load_lexicon_dir(tok, args.augment_lexicon, vocab_size=model.config.vocab_size)
+        log(syn.coverage.summary())
+        log(lex.coverage.summary())
+        mask_id = None
+        if args.augment_mask_prob > 0:
+            name = args.augment_mask_token or tok.unk_token
+            if name is None:
+                raise SystemExit("--augment-mask-prob > 0 needs --augment-mask-token (this tokenizer has no unk token)")
+            mask_id = resolve_token_id(tok, name)
+        cfg = AugmentConfig(swap_prob=args.augment_swap_prob, mask_prob=args.augment_mask_prob, mask_token_id=mask_id)
+        tables = (syn.to(device), lex.to(device), cfg)
+    noise = (EmbeddingNoise.attach(model, neftune_alpha=args.neftune_alpha, seed=args.seed + rank)
+             if args.neftune_alpha else None)
+
+    def step(batch, micro_step):
+        if tables is not None:
+            batch = augment(batch, *tables, seed=args.seed + rank, step=micro_step)
+        if noise is not None:
+            noise.set_batch(batch, step=micro_step)
+        return batch
+
+    return step
 
 
 if __name__ == "__main__":
