@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["make_demo_assets", "demo_records", "demo_pairs", "heldout_records", "WORDS"]
+__all__ = ["make_demo_assets", "demo_records", "demo_pairs", "heldout_records", "heldout_pairs", "pair_score",
+           "arithmetic_pairs", "WORDS"]
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -83,6 +84,22 @@ def heldout_records() -> list[dict]:
     return [{"messages": _chat(w)} for w in _HELDOUT]
 
 
+def _wrong_order(words: tuple[str, ...], rng: random.Random) -> list[str]:
+    """The same words in a wrong order: the list as given, or reversed with two neighbours swapped."""
+    right = list(reversed(words))
+    if rng.random() < 0.5:
+        return list(words)
+    wrong = list(right)
+    i = rng.randrange(len(wrong) - 1)
+    wrong[i], wrong[i + 1] = wrong[i + 1], wrong[i]
+    return wrong
+
+
+def _pairs(lists, rng: random.Random) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": PROMPT + " ".join(w)}],
+             "chosen": " ".join(reversed(w)), "rejected": " ".join(_wrong_order(w, rng))} for w in lists]
+
+
 def demo_pairs(n: int, seed: int = 0) -> list[dict]:
     """``n`` preference records ``{"messages": [user], "chosen": str, "rejected": str}``.
 
@@ -90,18 +107,38 @@ def demo_pairs(n: int, seed: int = 0) -> list[dict]:
     order (the list as given, or reversed with two neighbours swapped), so a preference is
     checkable and differs in the order only. No held-out list appears.
     """
-    rng = random.Random(seed + 2)
+    return _pairs(_training_lists(n, seed + 7), random.Random(seed + 2))
+
+
+def heldout_pairs(seed: int = 0) -> list[dict]:
+    """One preference record per held-out list (``heldout_records``): prompts no training record has."""
+    return _pairs(_HELDOUT, random.Random(seed + 3))
+
+
+def pair_score(prompt: str, answer: str) -> float:
+    """A checkable reward: minus the number of positions where ``answer`` differs from the reversed list."""
+    want = list(reversed(prompt[len(PROMPT):].split())) if prompt.startswith(PROMPT) else []
+    got = answer.split()
+    return -float(sum(a != b for a, b in zip(want, got)) + abs(len(want) - len(got)))
+
+
+_NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def arithmetic_pairs(n: int, seed: int = 0) -> list[dict]:
+    """``n`` preference records on single-digit sums ("What is 3 plus four?"): the chosen answer states
+    the right sum, the rejected one a wrong sum (off by 1 to 3, never negative) in the same words.
+
+    The reward-model demo's pairs: 200 distinct questions, so held-out comparisons can pair a seen
+    question with an unseen wrong answer (``examples/reward_model.py``)."""
+    rng = random.Random(seed)
     recs = []
-    for w in _training_lists(n, seed + 7):
-        right = list(reversed(w))
-        if rng.random() < 0.5:
-            wrong = list(w)
-        else:
-            wrong = list(right)
-            i = rng.randrange(len(wrong) - 1)
-            wrong[i], wrong[i + 1] = wrong[i + 1], wrong[i]
-        recs.append({"messages": [{"role": "user", "content": PROMPT + " ".join(w)}],
-                     "chosen": " ".join(right), "rejected": " ".join(wrong)})
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        q = f"What is {a} plus {b}?" if rng.random() < 0.5 else f"What is {_NUMBER_WORDS[a]} plus {_NUMBER_WORDS[b]}?"
+        wrong = a + b + rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if a + b + d >= 0])
+        recs.append({"messages": [{"role": "user", "content": q}],
+                     "chosen": f"{a} plus {b} is {a + b}.", "rejected": f"{a} plus {b} is {wrong}."})
     return recs
 
 
