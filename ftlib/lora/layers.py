@@ -165,7 +165,7 @@ class LoRALinear(nn.Module):
         h = drop(x) if custom else x
         if p > 0.0:
             mask, scale = dropout_mask(x, p)
-            h = x * mask * scale
+            h = torch.where(mask, x, 0.0) * scale
         lora = self.lora_B(self.lora_A(h))  # (..., out), unscaled
         mag_scale = self.lora_magnitude_vector / self.weight_norm()  # (out,), grad flows to m only
         if h is x:
