@@ -145,8 +145,9 @@ class LoRALinear(nn.Module):
     def add_adapter(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         """``result`` plus this adapter's update for input x, where ``result = base_layer(x)``.
 
-        Split from :meth:`forward` so a caller that computes the base projections of one input
-        in one GEMM (the decoder's q/k/v and gate/up) adds each adapter to its slice.
+        ``result`` may be updated in place (its buffer becomes the output). Split from
+        :meth:`forward` so a caller that computes the base output some other way (one GEMM for
+        several projections of the same input, a fused kernel) can add the adapter to it.
         """
         if self.disabled or self.merged:
             return result
@@ -161,6 +162,8 @@ class LoRALinear(nn.Module):
                 lora = self.lora_B(masked_linear(x, self.lora_A.weight, p))
             else:
                 lora = self.lora_B(self.lora_A(drop(x) if custom else x))
+            if result.dtype == lora.dtype:  # in place: nothing saves the base output (no [.., out] copy)
+                return result.add_(lora, alpha=self.scaling)
             return torch.add(result, lora, alpha=self.scaling).to(out_dtype)
         h = drop(x) if custom else x
         if p > 0.0:
