@@ -61,7 +61,8 @@ def dropout_mask(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
     """(keep mask bool shaped like x, scale 1 / P(keep)) for dropout probability p in (0, 1)."""
     if x.device.type == "cpu":
         seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # one draw of torch's generator per mask
-        return _cpu_mask(x, float(p), seed), 1.0 / kept_fraction(p, "cpu")
+        # x.detach(): the op reads only x's shape, and an input that requires grad would give it an autograd node
+        return _cpu_mask(x.detach(), float(p), seed), 1.0 / kept_fraction(p, "cpu")
     return torch.rand(x.shape, device=x.device) >= p, 1.0 / kept_fraction(p, x.device.type)
 
 
