@@ -79,6 +79,14 @@ def parse_args(argv=None):
     p.add_argument("--save-merged", action="store_true", help="also write a merged bf16 HF checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--demo", action="store_true", help="tiny model + data built on the fly")
+    # On-device augmentation of each batch (see setup_augmentation at the end of this file).
+    p.add_argument("--augment", action="store_true", help="synonym swap + masking of target tokens on the device")
+    p.add_argument("--augment-lexicon", default=str(Path(__file__).resolve().parent / "demo_lexicon"),
+                   help="folder with synonyms.tsv (+ pos.tsv); default: the demo lexicon")
+    p.add_argument("--augment-swap-prob", type=float, default=0.15)
+    p.add_argument("--augment-mask-prob", type=float, default=0.05)
+    p.add_argument("--augment-mask-token", help="mask token (default: the tokenizer's unk token)")
+    p.add_argument("--neftune-alpha", type=float, default=None, help="NEFTune embedding noise (5-15 typical)")
     args = p.parse_args(argv)
     for k, v in (DEMO_DEFAULTS if args.demo else DEFAULTS).items():
         if getattr(args, k) is None:
@@ -135,6 +143,7 @@ def main(argv=None):
     apply_lora(model, lcfg, verbose=False)
     model.to(device)  # adapter weights were created on the base's device; no-op there
     log(f"trainable parameters: {count_params(model)}")
+    augment_step = setup_augmentation(args, tok, model, device, rank, log)  # None without the flags
 
     # 3. data: tokenize once (cached, fingerprinted), pack rows of seq_len without cross-document attention.
     template = args.chat_template or tok.chat_template or "chatml"
@@ -185,6 +194,8 @@ def main(argv=None):
             for micro in range(args.grad_accum):
                 batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
                          for k, v in next(it).items()}
+                if augment_step is not None:  # fresh on every micro-batch, keyed by (seed + rank, micro index)
+                    batch = augment_step(batch, step * args.grad_accum + micro)
                 last = micro == args.grad_accum - 1
                 sync = opt.grad_sync(train_model, enabled=last) if world > 1 else nullcontext()
                 with sync:
@@ -229,7 +240,7 @@ def main(argv=None):
 class CausalLMLoss(torch.nn.Module):
     """batch -> (summed token loss, target-token count), without materialising [B, T, V] logits."""
 
-    KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # DESIGN.md batch contract
+    KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # the batch contract of ftlib.data.collate
 
     def __init__(self, model):
         super().__init__()
@@ -238,6 +249,45 @@ class CausalLMLoss(torch.nn.Module):
     def forward(self, batch):
         hidden = self.model.model(batch["input_ids"], **{k: batch[k] for k in self.KEYS if k in batch})
         return chunked_cross_entropy(hidden, self.model.lm_head.weight, batch["labels"])
+
+
+def setup_augmentation(args, tok, model, device, rank, log):
+    """``--augment`` / ``--neftune-alpha``: a function (batch on the device, micro step) -> batch, or None.
+
+    The synonym table and POS lexicon are built from the TSV folder through the tokenizer (the
+    coverage report says what was dropped), moved to the device once, and applied to the target
+    tokens of every micro-batch (ftlib.augment). NEFTune adds noise to the input embeddings with
+    each packed document's own length (ftlib.embed_noise).
+    """
+    if not args.augment and not args.neftune_alpha:
+        return None
+    from ftlib.augment import AugmentConfig, augment, load_lexicon_dir, resolve_token_id
+    from ftlib.embed_noise import EmbeddingNoise
+
+    tables = None
+    if args.augment:
+        syn, lex = load_lexicon_dir(tok, args.augment_lexicon, vocab_size=model.config.vocab_size)
+        log(syn.coverage.summary())
+        log(lex.coverage.summary())
+        mask_id = None
+        if args.augment_mask_prob > 0:
+            name = args.augment_mask_token or tok.unk_token
+            if name is None:
+                raise SystemExit("--augment-mask-prob > 0 needs --augment-mask-token (this tokenizer has no unk token)")
+            mask_id = resolve_token_id(tok, name)
+        cfg = AugmentConfig(swap_prob=args.augment_swap_prob, mask_prob=args.augment_mask_prob, mask_token_id=mask_id)
+        tables = (syn.to(device), lex.to(device), cfg)
+    noise = (EmbeddingNoise.attach(model, neftune_alpha=args.neftune_alpha, seed=args.seed + rank)
+             if args.neftune_alpha else None)
+
+    def step(batch, micro_step):
+        if tables is not None:
+            batch = augment(batch, *tables, seed=args.seed + rank, step=micro_step)
+        if noise is not None:
+            noise.set_batch(batch, step=micro_step)
+        return batch
+
+    return step
 
 
 @torch.no_grad()

@@ -8,7 +8,9 @@ Modules (import the ones you need; nothing here pulls in optional dependencies):
 - ``ftlib.optim``    optimizer wrapper: precision, loss scaling, token-weighted accumulation
 - ``ftlib.clip``     gradient clippers (global norm, z-score EMA, AGC, per-layer)
 - ``ftlib.sched``    LR schedules (warmup + cosine/linear/constant, WSD, plateau-aware hybrid)
+- ``ftlib.preference``  DPO-family losses, chunked sequence log-probs, reference log-probs (pairs: ``ftlib.data.pairs``)
 - ``ftlib.kernels``  attention dispatch (flash-attn / Triton / PyTorch reference)
+- ``ftlib.offload``  activation offloading to pinned host memory (per block, with checkpointing)
 """
 
 __version__ = "0.1.0"

@@ -1,5 +1,6 @@
 """Data pipeline: sources -> formatting (chat template, loss mask) -> Arrow token cache ->
-packing (best-fit decreasing) or dynamic padding -> resumable, rank-aware loader.
+packing (best-fit decreasing) or dynamic padding -> resumable, rank-aware loader; skipped
+records are counted in one report per cache (``report.py``).
 
     from ftlib.data import FormatConfig, build_cache, TokenLoader
     cfg = FormatConfig(kind="chat", chat_template="chatml", eos_token="<|im_end|>", max_length=4096)
@@ -10,18 +11,18 @@ Pre-tokenize from the shell: ``python -m ftlib.data build --help``.
 """
 
 from .cache import CacheError, TokenCache, build_cache, open_cache
-from .collate import length_grouped_batches, pad_collate, padding_fraction
-from .formatting import BUILTIN_TEMPLATES, FormatConfig, FormattedDoc, Formatter, render_chat
+from .collate import collate_packed, length_grouped_batches, pad_collate, padding_fraction
+from .formatting import BUILTIN_TEMPLATES, FormatConfig, FormattedDoc, Formatter, detect_turn_end, render_chat
 from .loader import TokenLoader
-from .packing import PackPlan, PackStats, bfd_assign, collate_packed, cpp_available, pack
+from .packing import PackPlan, PackStats, bfd_assign, cpp_available, pack
+from .report import DataError, SkipReport
 from .sources import (
-    DataError,
     Shard,
-    SkipReport,
     decode_item,
     iter_raw,
     iter_records,
     list_shards,
+    parse_hub_spec,
     resolve_hub_dataset,
     shard_fingerprint,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "collate_packed",
     "cpp_available",
     "decode_item",
+    "detect_turn_end",
     "iter_raw",
     "iter_records",
     "length_grouped_batches",
@@ -51,6 +53,7 @@ __all__ = [
     "open_cache",
     "pack",
     "pad_collate",
+    "parse_hub_spec",
     "padding_fraction",
     "render_chat",
     "resolve_hub_dataset",

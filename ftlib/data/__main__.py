@@ -1,8 +1,13 @@
 """Command line: pre-tokenize a corpus into an Arrow token cache, or describe a cache.
 
     python -m ftlib.data build --source data/ --tokenizer tokenizer.json --out cache/ \\
-        --kind chat --chat-template chatml --eos-token "<|im_end|>" --num-proc 8 --lenient
+        --kind chat --chat-template tokenizer_config.json --num-proc 8 --lenient
     python -m ftlib.data info cache/
+
+``--lenient`` skips bad records and prints every skip (the reader's too: a cut file, a refused
+tar member) with its location; the turn end that gets loss is read from the template
+(``--turn-end`` overrides it); ``--truncation head_tail --head-tail 0.5 --truncation-sep <sep>``
+keeps the head and tail of over-long documents or prompts.
 """
 
 from __future__ import annotations
@@ -13,11 +18,18 @@ import os
 import sys
 
 from .cache import build_cache, open_cache
-from .formatting import FormatConfig
+from .formatting import TRUNCATIONS, FormatConfig
 
 
 def _token(s):
     return int(s) if s is not None and s.isdigit() else s
+
+
+def _head_tail(s: str):
+    try:
+        return int(s) if s.isdigit() else float(s)
+    except ValueError:
+        raise SystemExit(f"--head-tail: expected a share in [0, 1] or a token count, got {s!r}") from None
 
 
 def _read_template(path: str) -> str:
@@ -53,13 +65,18 @@ def main(argv=None) -> int:
     b.add_argument("--system-field", default=None)
     b.add_argument("--chat-template", default=None,
                    help="built-in name (chatml, llama3), a .jinja file, or a tokenizer_config.json")
+    b.add_argument("--turn-end", default=None,
+                   help="text after each assistant turn that also gets loss (default: read from the template)")
     b.add_argument("--loss-on", default="assistant", choices=["assistant", "all"])
     b.add_argument("--bos-token", default=None)
     b.add_argument("--eos-token", default=None)
     b.add_argument("--add-bos", action="store_true")
     b.add_argument("--no-eos", action="store_true", help="do not append EOS (text kind)")
     b.add_argument("--max-length", type=int, default=None)
-    b.add_argument("--truncation", default="prompt_left", choices=["prompt_left", "right"])
+    b.add_argument("--truncation", default="prompt_left", choices=list(TRUNCATIONS))
+    b.add_argument("--head-tail", default="0.5",
+                   help="head_tail truncation: share of kept tokens from the head (0.5) or head tokens (an int)")
+    b.add_argument("--truncation-sep", default=None, help="head_tail truncation: separator token (text or id)")
     b.add_argument("--num-proc", type=int, default=os.cpu_count() or 1)
     b.add_argument("--lenient", action="store_true", help="skip and report bad records instead of failing")
     b.add_argument("--full-hash", action="store_true", help="fingerprint sources by a full SHA-256")
@@ -73,7 +90,7 @@ def main(argv=None) -> int:
         c = open_cache(a.cache, verify=a.verify)
         print(json.dumps({"n_docs": len(c), "n_tokens": c.n_tokens, "dtype": c.dtype.name,
                           "shards": len(c.manifest["shards"]), "n_truncated": c.n_truncated,
-                          "skipped": c.report.to_dict()}, indent=1))
+                          "stats": dict(c.stats), "skipped": c.report.to_dict()}, indent=1))
         return 0
 
     from tokenizers import Tokenizer
@@ -87,11 +104,13 @@ def main(argv=None) -> int:
         response_field=a.response_field, system_field=a.system_field, chat_template=template,
         loss_on=a.loss_on, bos_token=_token(a.bos_token), eos_token=_token(a.eos_token), add_bos=a.add_bos,
         add_eos=False if a.no_eos else None, max_length=a.max_length, truncation=a.truncation,
+        turn_end=a.turn_end, head_tail=_head_tail(a.head_tail), truncation_sep=_token(a.truncation_sep),
     )
     c = build_cache(a.source, tok, cfg, a.out, num_proc=a.num_proc, strict=not a.lenient,
                     progress=not a.no_progress, full_hash=a.full_hash)
     print(f"cache {a.out}: {len(c)} documents, {c.n_tokens} tokens ({c.dtype.name}), "
-          f"{c.n_built} of {len(c.manifest['shards'])} shards tokenized, {c.n_truncated} truncated")
+          f"{c.n_built} of {len(c.manifest['shards'])} shards tokenized, {c.n_truncated} truncated "
+          f"({c.stats.get('n_truncated_tokens', 0)} tokens cut, truncation={a.truncation})")
     print(c.report)
     return 0
 

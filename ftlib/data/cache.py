@@ -3,9 +3,10 @@
 Layout of a cache directory::
 
     manifest.json                 settings + ordered list of shard keys (written last)
-    shards/<key>.arrow            Arrow IPC file, one record batch with two columns
-                                  input_ids: large_list<uint16|uint32>, loss_mask: large_list<uint8>
-    shards/<key>.json             shard metadata: source, counts, skip report, size, hashes
+    shards/<key>.arrow            Arrow IPC file, one record batch with the columns
+                                  input_ids: large_list<uint16|uint32>, loss_mask: large_list<uint8>,
+                                  and one int64 per document for each extra column (see below)
+    shards/<key>.json             shard metadata: source, counts, skip report, stats, size, hashes
 
 One cache shard per source shard; ``key = sha256(source fingerprint, tokenizer JSON, format
 settings)``, so a second build with the same inputs is a hit, and adding source shards
@@ -13,13 +14,29 @@ tokenizes only the new ones. Token ids are stored as uint16 when the vocabulary 
 65536 entries, else uint32. The large_list offsets are the per-document offsets: document i of
 a shard is ``values[offsets[i]:offsets[i+1]]``, a NumPy view into the memory map.
 
+Skips. Each shard has one :class:`~ftlib.data.report.SkipReport`, fed by the reader (a cut
+gzip or tar, a corrupt Parquet file, a refused tar member) and by the workers (malformed
+records, missing fields); it is stored in the shard's metadata and the cache's report is their
+sum (``cache.report``), so ``build --lenient`` prints every skip. A strict build never reuses a
+shard whose report is not empty: it reads the source again, and raises at the first problem.
+
+Formatter hook. ``config`` is any frozen dataclass with ``fingerprint() -> str`` and
+``formatter(tokenizer) -> callable``; the callable maps ``(record, location, report)`` to a
+:class:`~ftlib.data.formatting.FormattedDoc`, a list of them (one record giving several
+documents, e.g. the two sides of a preference pair), or None. A config may declare
+``columns`` (a tuple of names): each document then carries one int per name in
+``FormattedDoc.extra`` (a pair id, a side), stored as an int64 column and read back as
+``cache.columns[name]`` (n_docs,). A formatter's ``stats`` dict of int counters (truncations)
+is summed per shard into the metadata and over shards into ``cache.stats``.
+
 Crash safety and integrity. Each file is written to ``.<name>.tmp-<pid>``, fsynced and
 ``os.replace``d into place (``ftlib._atomic``); the metadata is written after its Arrow file
 and the manifest after all shards, so an interrupted build never leaves a cache that opens
-as valid. The metadata records the file's
-size, its full SHA-256 and the sampled fingerprint of ``sources.shard_fingerprint``; opening
-checks the size and the sampled hash (``verify="sample"``, ~3 MiB read per shard) or the full
-hash (``verify="full"``) and raises :class:`CacheError` naming the file on any mismatch.
+as valid. The metadata records the file's size, its full SHA-256 and the sampled fingerprint of
+``sources.shard_fingerprint``; opening checks the size and the sampled hash
+(``verify="sample"``, ~3 MiB read per shard) or the full hash (``verify="full"``) and raises
+:class:`CacheError` naming the file on any mismatch, and naming the file and field when a
+manifest or metadata file is cut short or lacks a field.
 
 Tokenization runs in ``num_proc`` worker processes (``multiprocessing``; the tokenizer travels
 as its JSON string, ``Tokenizer.to_str`` / ``from_str``, and each worker sets
@@ -39,19 +56,21 @@ import json
 import multiprocessing as mp
 import os
 import sys
-from dataclasses import asdict
+import warnings
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from .._atomic import atomic_write
-from .formatting import FormatConfig, Formatter
-from .sources import SkipReport, decode_item, iter_raw, list_shards, shard_fingerprint
+from .formatting import FormatConfig
+from .report import SkipReport
+from .sources import Shard, decode_item, iter_raw, list_shards, shard_fingerprint
 
 __all__ = ["CacheError", "TokenCache", "build_cache", "open_cache"]
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: shard metadata carries the reader's skips and the formatter's stats
 _CHUNK_BYTES = 1 << 20
 _CHUNK_ITEMS = 4096
 
@@ -83,55 +102,104 @@ def _approx_nbytes(obj) -> int:
 _W: dict[str, Any] = {}
 
 
-def _worker_init(tok_json: str, cfg: dict, strict: bool, dtype: str = "uint32", in_worker: bool = True) -> None:
+@dataclass
+class _Chunk:
+    """What a worker returns for one chunk of a shard's raw items."""
+
+    shard: int  # index into the build's shard list
+    last: bool  # the shard's last chunk
+    ids: np.ndarray  # (n_tokens,) in the cache dtype
+    mask: np.ndarray  # (n_tokens,) uint8
+    lengths: np.ndarray  # (n_docs,) int64
+    columns: dict[str, np.ndarray]  # name -> (n_docs,) int64
+    report: dict  # SkipReport.to_dict() of this chunk
+    stats: dict[str, int]  # formatter counters added by this chunk
+    nbytes: int  # raw bytes read (progress)
+
+
+def _worker_init(tok_json: str, config, strict: bool, dtype: str = "uint32", in_worker: bool = True) -> None:
     if in_worker:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
-    _W["fmt"] = Formatter(Tokenizer.from_str(tok_json), FormatConfig(**cfg))
+    with warnings.catch_warnings():  # the parent already warned once about the settings
+        warnings.simplefilter("ignore")
+        _W["fmt"] = config.formatter(Tokenizer.from_str(tok_json))
+    _W["columns"] = tuple(getattr(config, "columns", ()))
     _W["strict"] = strict
     _W["dtype"] = np.dtype(dtype)
 
 
-def _work(task):
-    """(shard_idx, items, nbytes, last) -> (shard_idx, last, ids, mask, lengths, report, n_trunc, nbytes)."""
+def _work(task) -> _Chunk:
+    """Decode, format and tokenize one chunk ``(shard_idx, items, nbytes, last)``."""
     shard_idx, items, nbytes, last = task
-    fmt: Formatter = _W["fmt"]
+    fmt, cols, dtype = _W["fmt"], _W["columns"], _W["dtype"]
     report = SkipReport(strict=_W["strict"])
-    n0 = fmt.n_truncated
+    stats0 = dict(getattr(fmt, "stats", {}))
     ids, masks, lens = [], [], []
+    extra: dict[str, list[int]] = {c: [] for c in cols}
     for item in items:
         rec = decode_item(item, report)
         if rec is None:
             continue
-        doc = fmt(rec, item[1], report)
-        if doc is None:
-            continue
-        ids.append(doc.input_ids)
-        masks.append(doc.loss_mask)
-        lens.append(len(doc.input_ids))
+        out = fmt(rec, item[1], report)
+        for doc in [] if out is None else out if isinstance(out, list) else [out]:
+            got = tuple(sorted(doc.extra)) if doc.extra else ()
+            if got != tuple(sorted(cols)):
+                raise ValueError(f"{item[1]}: the formatter gave columns {list(got)}, the config declares "
+                                 f"{list(cols)}")
+            ids.append(doc.input_ids)
+            masks.append(doc.loss_mask)
+            lens.append(len(doc.input_ids))
+            for c in cols:
+                extra[c].append(int(doc.extra[c]))
     # ids leave the worker in the cache's dtype: a shard waits in the parent until its last chunk,
     # and int64 there would take 4x (uint16) the memory of the finished cache
-    dtype = _W["dtype"]
     flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     if len(flat) and (flat.min() < 0 or flat.max() > np.iinfo(dtype).max):
         raise ValueError(f"{items[0][1]} (chunk starting here): token id {int(flat.max())} does not fit the "
                          f"cache dtype {dtype}")
     masks_flat = np.concatenate(masks).astype(np.uint8, copy=False) if masks else np.zeros(0, np.uint8)
-    return (shard_idx, last, flat.astype(dtype), masks_flat, np.asarray(lens, np.int64),
-            report.to_dict(), fmt.n_truncated - n0, nbytes)
+    stats = {k: v - stats0.get(k, 0) for k, v in getattr(fmt, "stats", {}).items()}
+    return _Chunk(shard_idx, last, flat.astype(dtype), masks_flat, np.asarray(lens, np.int64),
+                  {c: np.asarray(v, np.int64) for c, v in extra.items()}, report.to_dict(), stats, nbytes)
 
 
 # ---- writer -----------------------------------------------------------------------------------
+@dataclass
+class _ShardBuild:
+    """One shard being built: its single skip report (reader + workers), chunks and stats."""
+
+    shard: Shard
+    fingerprint: str
+    report: SkipReport
+    chunks: list[_Chunk] = field(default_factory=list)
+    stats: collections.Counter = field(default_factory=collections.Counter)
+
+    def add(self, chunk: _Chunk) -> None:
+        self.report.merge(chunk.report)  # a strict worker has raised already; merging never does
+        self.stats.update(chunk.stats)
+        self.chunks.append(chunk)
+
+    def write(self, shards_dir: str, key: str, columns: tuple, dtype: np.dtype) -> dict:
+        parts, self.chunks = self.chunks, []
+        ids, mask, lens = (np.concatenate([getattr(p, a) for p in parts]) for a in ("ids", "mask", "lengths"))
+        cols = {c: np.concatenate([p.columns[c] for p in parts]) for c in columns}
+        del parts  # the chunks are copied: free them before writing
+        meta = {"source": self.shard.path, "source_fingerprint": self.fingerprint,
+                "skipped": self.report.to_dict(), "stats": dict(self.stats), "columns": list(columns)}
+        return _write_shard(shards_dir, key, meta, ids, mask, lens, cols, dtype)
+
+
 def _write_shard(shards_dir: str, key: str, meta: dict, ids: np.ndarray, mask: np.ndarray,
-                 lengths: np.ndarray, dtype: np.dtype) -> dict:
+                 lengths: np.ndarray, columns: dict[str, np.ndarray], dtype: np.dtype) -> dict:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     off = pa.array(offsets, type=pa.int64())
     batch = pa.record_batch(  # pa.array of a NumPy array without nulls wraps its buffer (no copy)
         [pa.LargeListArray.from_arrays(off, pa.array(ids.astype(dtype, copy=False))),
-         pa.LargeListArray.from_arrays(off, pa.array(mask))],
-        names=["input_ids", "loss_mask"],
+         pa.LargeListArray.from_arrays(off, pa.array(mask))] + [pa.array(v, type=pa.int64()) for v in columns.values()],
+        names=["input_ids", "loss_mask", *columns],
     )
     arrow_path = os.path.join(shards_dir, key + ".arrow")
     written = {}
@@ -145,6 +213,41 @@ def _write_shard(shards_dir: str, key: str, meta: dict, ids: np.ndarray, mask: n
     size, sha, sampled = written["size"], written["sha"], written["sampled"]
     meta = dict(meta, n_docs=int(len(lengths)), n_tokens=int(offsets[-1]), size=size, sha256=sha, sampled=sampled)
     atomic_write(os.path.join(shards_dir, key + ".json"), lambda tmp: tmp.write_bytes(json.dumps(meta, indent=1).encode()))
+    return meta
+
+
+# ---- metadata files -----------------------------------------------------------------------------
+_META_FIELDS = {"n_docs": int, "n_tokens": int, "size": int, "sha256": str, "sampled": str, "skipped": dict,
+                "stats": dict, "columns": list}
+
+
+def _load_json(path: str, what: str) -> dict:
+    """A metadata JSON object; CacheError naming the file when it is missing, cut or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise CacheError(f"{path}: {what} missing; rebuild the cache") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CacheError(f"{path}: {what} unreadable or cut short ({e}); delete the cache and rebuild") from None
+    if not isinstance(d, dict):
+        raise CacheError(f"{path}: {what} must be a JSON object, got {type(d).__name__}; delete the cache and rebuild")
+    return d
+
+
+def _require(d: dict, path: str, fields: dict) -> None:
+    for k, t in fields.items():
+        if k not in d:
+            raise CacheError(f"{path}: field {k!r} missing (written by another version, or altered); "
+                             "delete the cache and rebuild")
+        if not isinstance(d[k], t) or isinstance(d[k], bool):
+            raise CacheError(f"{path}: field {k!r} must be {t.__name__}, got {type(d[k]).__name__}; "
+                             "delete the cache and rebuild")
+
+
+def _load_meta(path: str) -> dict:
+    meta = _load_json(path, "shard metadata")
+    _require(meta, path, _META_FIELDS)
     return meta
 
 
@@ -162,56 +265,63 @@ def _check_file(path: str, meta: dict, verify: str) -> None:
 
 
 def _reusable(shards_dir: str, key: str) -> dict | None:
-    """Metadata of an already-built shard if it is present and intact, else None."""
-    mpath = os.path.join(shards_dir, key + ".json")
+    """Metadata of an already-built shard if it is present and intact, else None (rebuilt)."""
     try:
-        with open(mpath) as f:
-            meta = json.load(f)
+        meta = _load_meta(os.path.join(shards_dir, key + ".json"))
         _check_file(os.path.join(shards_dir, key + ".arrow"), meta, "sample")
         return meta
-    except (OSError, ValueError, KeyError, CacheError):
+    except (OSError, CacheError):
         return None
 
 
+# ---- build ------------------------------------------------------------------------------------
 def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num_proc: int = 1,
                 strict: bool = True, progress: bool = True, full_hash: bool = False,
                 mp_context: str | None = None, verify: str = "sample") -> TokenCache:
     """Tokenize ``sources`` (see ``sources.list_shards``) into ``cache_dir`` and open it.
 
     Shards whose cache files already exist (same content, tokenizer, settings) are reused, except
-    that a strict build re-reads a shard from which a lenient build skipped records (so it raises).
-    ``strict=False`` skips bad records and reports them in ``cache.report``. ``mp_context``:
-    multiprocessing start method (default: ``fork`` on Linux, the platform default elsewhere).
+    that a strict build reads again a shard from which a lenient build skipped anything (so it
+    raises). ``strict=False`` skips bad records and reports every skip, the reader's included,
+    in ``cache.report``. ``config``: a :class:`FormatConfig` or another config following the
+    formatter hook of the module docstring. ``mp_context``: multiprocessing start method
+    (default: ``fork`` on Linux, the platform default elsewhere).
     """
     shards = list_shards(sources)
     tok_json = tokenizer.to_str()
     tok_hash = hashlib.sha256(tok_json.encode()).hexdigest()
     fmt_fp = config.fingerprint()
+    fmt_class = f"{type(config).__module__}.{type(config).__qualname__}"
+    columns = tuple(getattr(config, "columns", ()))
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
-    Formatter(tokenizer, config)  # validate settings (special tokens etc.) before any work
+    config.formatter(tokenizer)  # validate settings (special tokens etc.) and warn once, before any work
     shards_dir = os.path.join(cache_dir, "shards")
     os.makedirs(shards_dir, exist_ok=True)
 
     keys, metas, todo = [], {}, []
     for i, sh in enumerate(shards):
         fp = shard_fingerprint(sh.path, full_hash)
-        key = hashlib.sha256(f"{CACHE_VERSION}|{fp}|{tok_hash}|{fmt_fp}|{dtype}".encode()).hexdigest()[:32]
+        key = hashlib.sha256(f"{CACHE_VERSION}|{fp}|{tok_hash}|{fmt_class}|{fmt_fp}|{dtype}".encode()).hexdigest()[:32]
         keys.append(key)
         meta = _reusable(shards_dir, key)
-        if meta is not None and strict and meta["skipped"]["counts"]:
-            meta = None  # a lenient build dropped records here: strict mode re-reads it to raise on the first
+        if meta is not None and strict:
+            skipped = SkipReport(strict=False)
+            skipped.merge(meta["skipped"])
+            if skipped:
+                meta = None  # a lenient build lost records here: strict mode reads it again to raise on the first
         if meta is not None:
             metas[i] = meta
         else:
             todo.append((i, sh, fp))
 
-    report = SkipReport(strict=strict)
+    builds: dict[int, _ShardBuild] = {}
 
     def tasks():
-        for i, sh, _ in todo:
+        for i, sh, fp in todo:
+            b = builds[i] = _ShardBuild(sh, fp, SkipReport(strict=strict))
             items, nbytes = [], 0
-            for item in iter_raw(sh, report):
+            for item in iter_raw(sh, b.report):  # the reader's skips go to the shard's one report
                 items.append(item)
                 nbytes += _approx_nbytes(item[0])  # Parquet rows arrive as dicts: measure them too
                 if nbytes >= _CHUNK_BYTES or len(items) >= _CHUNK_ITEMS:
@@ -224,36 +334,23 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
 
         total = sum(os.path.getsize(sh.path) for _, sh, _ in todo)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
-        acc: dict[int, list] = collections.defaultdict(list)
-        info = {i: (sh, fp) for i, sh, fp in todo}
 
-        def handle(res):
-            i, last, ids, mask, lens, rep, ntr, nbytes = res
-            acc[i].append((ids, mask, lens, rep, ntr))
-            bar.update(nbytes)
-            if not last:
-                return
-            parts = acc.pop(i)
-            srep = SkipReport(strict=False)
-            for p in parts:
-                srep.merge(p[3])
-            report.merge(srep)
-            sh, fp = info[i]
-            meta = {"source": sh.path, "source_fingerprint": fp, "skipped": srep.to_dict(),
-                    "n_truncated": int(sum(p[4] for p in parts))}
-            ids, mask, lens = (np.concatenate([p[j] for p in parts]) for j in range(3))
-            del parts  # the chunks are copied: free them before writing
-            metas[i] = _write_shard(shards_dir, keys[i], meta, ids, mask, lens, dtype)
+        def handle(chunk: _Chunk):
+            b = builds[chunk.shard]
+            b.add(chunk)
+            bar.update(chunk.nbytes)
+            if chunk.last:  # the reader finished this shard before its last chunk was sent
+                metas[chunk.shard] = b.write(shards_dir, keys[chunk.shard], columns, dtype)
+                del builds[chunk.shard]
 
-        cfg = asdict(config)
         if num_proc <= 1:
-            _worker_init(tok_json, cfg, strict, dtype.name, in_worker=False)
+            _worker_init(tok_json, config, strict, dtype.name, in_worker=False)
             for t in tasks():
                 handle(_work(t))
         else:
             method = mp_context or ("fork" if sys.platform.startswith("linux") else None)
             ctx = mp.get_context(method)
-            with ctx.Pool(num_proc, initializer=_worker_init, initargs=(tok_json, cfg, strict, dtype.name)) as pool:
+            with ctx.Pool(num_proc, initializer=_worker_init, initargs=(tok_json, config, strict, dtype.name)) as pool:
                 pending: collections.deque = collections.deque()
                 for t in tasks():  # bounded window keeps memory flat and results in order
                     pending.append(pool.apply_async(_work, (t,)))
@@ -264,8 +361,9 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
         bar.close()
 
     manifest = {
-        "version": CACHE_VERSION, "tokenizer_sha256": tok_hash, "format_config": asdict(config),
-        "format_fingerprint": fmt_fp, "dtype": dtype.name, "vocab_size": vocab,
+        "version": CACHE_VERSION, "tokenizer_sha256": tok_hash, "format_class": fmt_class,
+        "format_config": asdict(config), "format_fingerprint": fmt_fp, "columns": list(columns),
+        "dtype": dtype.name, "vocab_size": vocab,
         "fingerprint_mode": "sha256" if full_hash else "sampled-sha256",
         "shards": [{"source": sh.path, "key": k} for sh, k in zip(shards, keys)],
         "n_docs": int(sum(metas[i]["n_docs"] for i in range(len(shards)))),
@@ -281,8 +379,10 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
 class TokenCache:
     """A built cache, memory-mapped. ``cache[i] -> (input_ids, loss_mask)`` NumPy views.
 
-    ``lengths`` (n_docs,) int64; ``n_tokens``; ``report`` (SkipReport of the build);
-    ``n_truncated``; ``dtype``. Pickles as its path, so DataLoader workers reopen it.
+    ``lengths`` (n_docs,) int64; ``n_tokens``; ``report`` (the build's SkipReport, every shard's
+    skips); ``stats`` (formatter counters, e.g. ``n_truncated``, ``n_truncated_tokens``);
+    ``n_truncated``; ``columns`` (extra per-document int64 columns); ``dtype``. Pickles as its
+    path, so DataLoader workers reopen it.
     """
 
     def __init__(self, cache_dir: str, verify: str = "sample"):
@@ -292,47 +392,61 @@ class TokenCache:
         mpath = os.path.join(cache_dir, "manifest.json")
         if not os.path.exists(mpath):
             raise CacheError(f"{cache_dir}: no manifest.json (not a cache, or its build did not finish)")
-        with open(mpath) as f:
-            self.manifest = json.load(f)
+        self.manifest = _load_json(mpath, "cache manifest")
         if self.manifest.get("version") != CACHE_VERSION:
-            raise CacheError(f"{mpath}: cache version {self.manifest.get('version')}, expected {CACHE_VERSION}")
-        self.dtype = np.dtype(self.manifest["dtype"])
+            raise CacheError(f"{mpath}: cache version {self.manifest.get('version')}, expected {CACHE_VERSION}; "
+                             "build the cache again")
+        _require(self.manifest, mpath, {"dtype": str, "shards": list, "columns": list})
+        try:
+            self.dtype = np.dtype(self.manifest["dtype"])
+        except TypeError:
+            raise CacheError(f"{mpath}: field 'dtype' is not a NumPy dtype: {self.manifest['dtype']!r}") from None
+        names = list(self.manifest["columns"])
         self.report = SkipReport(strict=False)
-        self.n_truncated = 0
+        self.stats: collections.Counter = collections.Counter()
         self.n_built = 0
         self._ids, self._mask, self._off, self._maps = [], [], [], []
+        cols: dict[str, list] = {c: [] for c in names}
         sdir = os.path.join(cache_dir, "shards")
-        for s in self.manifest["shards"]:
+        for j, s in enumerate(self.manifest["shards"]):
+            if not isinstance(s, dict) or not isinstance(s.get("key"), str):
+                raise CacheError(f"{mpath}: field 'shards'[{j}] needs a string 'key'; delete the cache and rebuild")
             apath = os.path.join(sdir, s["key"] + ".arrow")
-            try:
-                with open(os.path.join(sdir, s["key"] + ".json")) as f:
-                    meta = json.load(f)
-            except (OSError, ValueError) as e:
-                raise CacheError(f"{sdir}/{s['key']}.json: missing or unreadable shard metadata ({e})") from e
+            meta = _load_meta(os.path.join(sdir, s["key"] + ".json"))
             if verify != "none":
                 _check_file(apath, meta, verify)
             try:
                 mm = pa.memory_map(apath, "r")
                 batch = pa.ipc.open_file(mm).get_batch(0)
-            except (OSError, pa.ArrowInvalid) as e:
-                raise CacheError(f"{apath}: not a readable Arrow IPC file ({e}); delete it and rebuild") from e
-            ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
+                ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
+                extra = [batch.column(c).to_numpy(zero_copy_only=True) for c in names]
+            except (OSError, KeyError, pa.ArrowException) as e:
+                raise CacheError(f"{apath}: not a readable Arrow IPC file of this cache ({e}); delete it and "
+                                 "rebuild") from e
             off = ids_col.offsets.to_numpy(zero_copy_only=True)
             ids = ids_col.values.to_numpy(zero_copy_only=True)
             mask = mask_col.values.to_numpy(zero_copy_only=True)
-            if len(off) != meta["n_docs"] + 1 or int(off[-1]) != len(ids) or len(ids) != len(mask):
+            if (len(off) != meta["n_docs"] + 1 or int(off[-1]) != len(ids) or len(ids) != len(mask)
+                    or any(len(x) != meta["n_docs"] for x in extra)):
                 raise CacheError(f"{apath}: inconsistent offsets/values (corrupt); delete it and rebuild")
             self._maps.append(mm)
             self._ids.append(ids)
             self._mask.append(mask)
             self._off.append(off)
+            for c, x in zip(names, extra):
+                cols[c].append(x)
             self.report.merge(meta["skipped"])
-            self.n_truncated += meta["n_truncated"]
+            self.stats.update(meta["stats"])
+        self.columns = {c: np.concatenate(v) if v else np.zeros(0, np.int64) for c, v in cols.items()}
         counts = np.array([len(o) - 1 for o in self._off], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])
         self.lengths = (np.concatenate([np.diff(o) for o in self._off]) if self._off
                         else np.zeros(0, np.int64)).astype(np.int64)
         self.n_tokens = int(self.lengths.sum())
+
+    @property
+    def n_truncated(self) -> int:
+        return int(self.stats.get("n_truncated", 0))
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -359,4 +473,3 @@ class TokenCache:
 def open_cache(cache_dir: str, verify: str = "sample") -> TokenCache:
     """Open a built cache (see :class:`TokenCache`); raises CacheError if it is incomplete or corrupt."""
     return TokenCache(cache_dir, verify=verify)
-

@@ -7,30 +7,58 @@ Three kinds (``FormatConfig.kind``):
 ``chat``         ``record[messages_field]`` (a list of ``{"role", "content"}``) rendered with a
                  Jinja chat template (the tokenizer's, from tokenizer_config.json, or a built-in
                  one: ``chatml``, ``llama3``), in a sandbox (``ImmutableSandboxedEnvironment``:
-                 templates cannot reach Python internals).
+                 templates cannot reach Python internals). Text without any Jinja tag is refused
+                 (a misspelled built-in name would otherwise render as constant text).
 ``instruction``  ``record[prompt_field]`` / ``record[response_field]`` (and an optional
                  ``system_field``) turned into a user/assistant conversation, then as ``chat``.
 
 Loss mask (``loss_on="assistant"``, the default for chat). The template is rendered once with
 every assistant ``content`` wrapped in private-use sentinel characters; the sentinels give the
 exact character spans of assistant content in the rendered text, and are removed (the result
-is checked to equal the plain rendering). Each span is extended over the turn-end marker that
-immediately follows it (``turn_end``: ``<|im_end|>`` for chatml, ``<|eot_id|>`` for llama3, the
-EOS text otherwise) so the model learns to stop. A token carries loss iff its character range
-(from the tokenizer's offsets) overlaps an assistant span. ``loss_on="all"`` puts every token in
-the loss. A record whose every assistant turn is blank is reported as ``empty_response`` (with
-loss on assistant turns only, it would teach the model to answer with nothing).
+is checked to equal the plain rendering). Each span is extended over the *turn end* that
+immediately follows it, so the model learns to stop. A token carries loss iff its character
+range (from the tokenizer's offsets) overlaps an assistant span. ``loss_on="all"`` puts every
+token in the loss. A record with an empty assistant turn is reported as ``empty_response``:
+with loss on assistant turns only, that turn would teach the model to answer with nothing.
 
-Labels. This module returns a 0/1 ``loss_mask`` aligned with ``input_ids``; the collator and
-packer turn it into ``labels`` aligned with ``input_ids`` (same position, *not* shifted: the
-loss compares logits[t] with labels[t + 1]), with -100 where the mask is 0.
+Turn end. ``turn_end=`` names it explicitly. Otherwise it is read from the template itself,
+whatever the template: a probe conversation (user, assistant, user, assistant) with sentinel
+contents is rendered; the text after the first assistant content up to the next user content,
+and the text after the last assistant content up to the end, share a prefix — what the template
+writes to close an assistant turn, e.g. ``<|im_end|>\\n`` (ChatML, Qwen2), ``<|eot_id|>``
+(Llama-3), `` </s>`` (Llama-2), ``</s>`` (Mistral), ``<end_of_turn>\\n`` (Gemma), ``<|end|>\\n``
+(Phi-3). The turn end is that prefix up to and including its last added (special) token of the
+tokenizer, so ``<|im_end|>`` gets loss and the newline after it (never generated: decoding stops
+at the token) does not. Without an added token in it, the EOS text is used if the prefix holds
+it; if nothing is found (or the probe cannot be rendered) the EOS text is the fallback, and a
+warning says the model would not learn to stop unless ``turn_end`` or ``add_eos`` is set.
 
-Truncation (``max_length``). ``truncation="prompt_left"`` (default) cuts the leading prompt (the
-tokens without loss before the first response token; a leading BOS is kept) from the left until
-the record fits, and only if that prompt is exhausted cuts what remains from the right (response
-tokens, later turns); the result is always one contiguous window of the record (after the BOS).
-``"right"`` keeps the first ``max_length`` tokens. Truncated records are counted in
-``Formatter.n_truncated``.
+Labels. This module returns a 0/1 ``loss_mask`` aligned with ``input_ids``; the collators
+(``ftlib.data.collate``) turn it into ``labels`` aligned with ``input_ids`` (same position, *not*
+shifted: the loss compares logits[t] with labels[t + 1]), with -100 where the mask is 0.
+
+Truncation (``max_length``). Three policies; the tokenizer's own truncation and padding (set in
+some tokenizer.json files) are turned off while encoding, with a warning, so nothing is cut
+except by the policy below.
+
+* ``"prompt_left"`` (default) cuts the leading prompt (the tokens without loss before the first
+  response token; a leading BOS is kept) from the left until the record fits, and only if that
+  prompt is exhausted cuts what remains from the right (response tokens, later turns); the
+  result is always one contiguous window of the record (after the BOS).
+* ``"right"`` keeps the first ``max_length`` tokens.
+* ``"head_tail"`` keeps the first ``h`` and the last ``t`` tokens of a region and drops its
+  middle, with an optional separator token (``truncation_sep``) in the gap. The region is the
+  whole document (after the BOS) for ``text``, the leading prompt for ``chat``/``instruction``
+  (the response is kept whole; when the prompt cannot absorb the cut, as ``prompt_left``). With
+  ``k`` region tokens that fit (``max_length`` minus the rest and the separator), a float
+  ``head_tail`` in [0, 1] gives ``h = round(head_tail * k)``, an int gives ``h = min(head_tail,
+  k)``; ``t = k - h``. So ``max_length = h + t (+1)`` with ``head_tail=h`` keeps exactly the
+  first ``h`` and last ``t`` tokens. The mask follows the kept tokens; the separator and the
+  first token after the cut carry no loss (their real context was cut away). A cut that would
+  leave the head or the tail empty is a plain cut (no separator).
+
+Truncated records are counted in ``Formatter.stats["n_truncated"]``, the tokens they lost in
+``stats["n_truncated_tokens"]`` (summed into the cache's ``stats``).
 
 EOS is explicit: ``add_bos`` / ``add_eos`` (text default: no BOS, EOS appended; chat: the
 template decides BOS, ``add_eos`` appends EOS after the rendered conversation).
@@ -38,17 +66,20 @@ template decides BOS, ``add_eos`` appends EOS after the rendered conversation).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import os
 import re
+import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from .._jinja import compile_template
-from .sources import SkipReport
+from .report import SkipReport
 
-__all__ = ["FormatConfig", "FormattedDoc", "Formatter", "render_chat", "BUILTIN_TEMPLATES"]
+__all__ = ["FormatConfig", "FormattedDoc", "Formatter", "render_chat", "BUILTIN_TEMPLATES", "detect_turn_end"]
 
 BUILTIN_TEMPLATES = {
     "chatml": (
@@ -61,15 +92,52 @@ BUILTIN_TEMPLATES = {
         "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
     ),
 }
-_TURN_END = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
 _S0, _S1 = "\ue000", "\ue001"  # private-use code points: assistant content start / end sentinels
 _SENTINELS = re.compile(f"[{_S0}{_S1}]")
+_PROBE = [("user", "\ue010"), ("assistant", "\ue011"), ("user", "\ue012"), ("assistant", "\ue013")]
+TRUNCATIONS = ("prompt_left", "right", "head_tail")
+
+
+def _template_text(template: str) -> str:
+    """Built-in name -> its text; Jinja text as is; anything else (a misspelled name) refused."""
+    if template in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[template]
+    if "{{" not in template and "{%" not in template:
+        close = difflib.get_close_matches(template, list(BUILTIN_TEMPLATES), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"chat_template {template[:60]!r} is neither a built-in name ({', '.join(BUILTIN_TEMPLATES)})"
+                         f"{hint} nor Jinja template text (it has no {{{{ }}}} or {{% %}} tag)")
+    return template
 
 
 def render_chat(messages: list[dict], template: str, **kwargs) -> str:
     """Render ``messages`` with a Jinja chat template (built-in name or template text)."""
-    template = BUILTIN_TEMPLATES.get(template, template)
-    return compile_template(template).render(messages=messages, **kwargs)
+    return compile_template(_template_text(template)).render(messages=messages, **kwargs)
+
+
+def detect_turn_end(template: str, tokenizer, bos_token: str = "", eos_token: str = "") -> tuple[str | None, str]:
+    """What ``template`` writes after an assistant's content to end its turn (see the module docstring).
+
+    Returns ``(turn_end or None, what the template renders there)``; the second value explains a
+    miss (or names the rendering error).
+    """
+    msgs = [{"role": r, "content": c} for r, c in _PROBE]
+    try:
+        text = render_chat(msgs, template, bos_token=bos_token, eos_token=eos_token, add_generation_prompt=False)
+    except Exception as e:  # a template that refuses this conversation shape
+        return None, f"the probe conversation does not render: {e}"
+    a1, u2, a2 = (text.find(c) for _, c in _PROBE[1:])
+    if min(a1, u2, a2) < 0 or not a1 < u2 < a2:
+        return None, "the probe conversation's contents do not appear in order"
+    common = os.path.commonprefix([text[a1 + 1 : u2], text[a2 + 1 :]])
+    enc = tokenizer.encode(common, add_special_tokens=False)
+    added = set(tokenizer.get_added_tokens_decoder())
+    ends = [e for i, (_, e) in zip(enc.ids, enc.offsets) if i in added]
+    if ends:
+        return common[: max(ends)], common
+    if eos_token and eos_token in common:
+        return common[: common.index(eos_token) + len(eos_token)], common
+    return None, common
 
 
 @dataclass(frozen=True)
@@ -83,31 +151,47 @@ class FormatConfig:
     response_field: str = "response"
     system_field: str | None = None
     chat_template: str | None = None  # built-in name or Jinja text; required for chat/instruction
-    turn_end: str | None = None  # text after assistant content that also gets loss
+    turn_end: str | None = None  # text after assistant content that also gets loss (None: from the template)
     loss_on: str = "assistant"  # "assistant" | "all" (chat); text always trains on all tokens
     bos_token: str | int | None = None
     eos_token: str | int | None = None
     add_bos: bool = False
     add_eos: bool | None = None  # None: True for text, False for chat
     max_length: int | None = None
-    truncation: str = "prompt_left"  # "prompt_left" | "right"
+    truncation: str = "prompt_left"  # "prompt_left" | "right" | "head_tail"
+    head_tail: float | int = 0.5  # head_tail: share of kept region tokens from the head, or a head count
+    truncation_sep: str | int | None = None  # head_tail: token put where the middle was cut
 
     def __post_init__(self):
         if self.kind not in ("text", "chat", "instruction"):
             raise ValueError(f"FormatConfig.kind must be text|chat|instruction, got {self.kind!r}")
         if self.kind != "text" and not self.chat_template:
             raise ValueError(f"FormatConfig.kind={self.kind!r} needs chat_template (a name or Jinja text)")
+        if self.chat_template:
+            _template_text(self.chat_template)
         if self.loss_on not in ("assistant", "all"):
             raise ValueError(f"FormatConfig.loss_on must be assistant|all, got {self.loss_on!r}")
-        if self.truncation not in ("prompt_left", "right"):
-            raise ValueError(f"FormatConfig.truncation must be prompt_left|right, got {self.truncation!r}")
+        if self.truncation not in TRUNCATIONS:
+            raise ValueError(f"FormatConfig.truncation must be {'|'.join(TRUNCATIONS)}, got {self.truncation!r}")
         if self.max_length is not None and self.max_length < 1:
             raise ValueError("FormatConfig.max_length must be >= 1")
+        ht = self.head_tail
+        if isinstance(ht, bool) or not isinstance(ht, (int, float)) or ht < 0 or (isinstance(ht, float) and ht > 1):
+            raise ValueError(f"FormatConfig.head_tail must be a float in [0, 1] (share of the head) or an int >= 0 "
+                             f"(head tokens), got {ht!r}")
+        if self.truncation_sep is not None and self.truncation != "head_tail":
+            raise ValueError("FormatConfig.truncation_sep applies to truncation='head_tail'")
+        if self.turn_end is not None and not self.turn_end:
+            raise ValueError("FormatConfig.turn_end must be non-empty text (or None to read it from the template)")
 
     def fingerprint(self) -> str:
         d = asdict(self)
         d["chat_template"] = BUILTIN_TEMPLATES.get(self.chat_template, self.chat_template)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+    def formatter(self, tokenizer) -> Formatter:
+        """The callable that formats records with these settings (the token cache's hook)."""
+        return Formatter(tokenizer, self)
 
 
 @dataclass
@@ -115,20 +199,23 @@ class FormattedDoc:
     input_ids: np.ndarray  # (L,) int64
     loss_mask: np.ndarray  # (L,) uint8, 1 = token carries loss
     truncated: bool = False
+    extra: dict[str, int] | None = None  # per-document int columns a config declares (see cache.py)
 
 
 class Formatter:
     """Callable ``formatter(record, location, report) -> FormattedDoc | None``.
 
     ``tokenizer`` is a ``tokenizers.Tokenizer``. Special tokens named by string must be in its
-    vocabulary. Records that cannot be formatted are reported to ``report`` (see sources.py).
+    vocabulary. Records that cannot be formatted are reported to ``report`` (see report.py).
+    ``turn_end`` is the resolved turn end (chat kinds), ``stats`` the truncation counters.
     """
 
     def __init__(self, tokenizer, config: FormatConfig):
-        self.tok = tokenizer
+        self.tok = _without_builtin_truncation(tokenizer)
         self.cfg = config
         self.bos_id = self._token_id(config.bos_token, "bos_token")
         self.eos_id = self._token_id(config.eos_token, "eos_token")
+        self.sep_id = self._token_id(config.truncation_sep, "truncation_sep")
         self.add_eos = config.add_eos if config.add_eos is not None else config.kind == "text"
         if config.add_bos and self.bos_id is None:
             raise ValueError("FormatConfig.add_bos=True needs bos_token")
@@ -136,8 +223,12 @@ class Formatter:
             raise ValueError("appending EOS needs FormatConfig.eos_token (or set add_eos=False)")
         self.bos_text = config.bos_token if isinstance(config.bos_token, str) else self._id_text(self.bos_id)
         self.eos_text = config.eos_token if isinstance(config.eos_token, str) else self._id_text(self.eos_id)
-        self.turn_end = config.turn_end or _TURN_END.get(config.chat_template or "", None) or self.eos_text
-        self.n_truncated = 0
+        self.turn_end = self._resolve_turn_end() if config.kind != "text" else None
+        self.stats = {"n_truncated": 0, "n_truncated_tokens": 0}
+
+    @property
+    def n_truncated(self) -> int:
+        return self.stats["n_truncated"]
 
     def _token_id(self, tok, name):
         if isinstance(tok, int):
@@ -154,6 +245,21 @@ class Formatter:
 
     def _id_text(self, i):
         return None if i is None else self.tok.id_to_token(i)
+
+    def _resolve_turn_end(self) -> str | None:
+        c = self.cfg
+        found, rendered = detect_turn_end(c.chat_template, self.tok, self.bos_text or "", self.eos_text or "")
+        if c.turn_end is not None:
+            if found is None or not rendered.startswith(c.turn_end):
+                warnings.warn(f"FormatConfig.turn_end={c.turn_end!r} does not follow the assistant's content in the "
+                              f"chat template (it renders {rendered!r} there); it gets loss only where it does",
+                              stacklevel=3)
+            return c.turn_end
+        if found is None and c.loss_on == "assistant" and not self.add_eos:
+            warnings.warn(f"chat template: no turn end found after the assistant's content ({rendered!r}); the end "
+                          "of an answer carries no loss, so the model will not learn to stop. Pass "
+                          "FormatConfig(turn_end=...) (--turn-end) or add_eos=True", stacklevel=3)
+        return found or self.eos_text
 
     # -- record -> (text, assistant spans) ------------------------------------------------------
     def _messages(self, rec: dict, where: str, report: SkipReport):
@@ -186,11 +292,17 @@ class Formatter:
         if all(not m["content"].strip() for m in msgs):
             report.add("empty_document", where, "all message contents are empty")
             return None
-        answers = [m for m in msgs if m["role"] == "assistant"]
-        if c.loss_on == "assistant" and answers and all(not m["content"].strip() for m in answers):
-            # only the turn end would carry loss: the model would learn to answer with nothing
-            report.add("empty_response", where, "every assistant turn is empty")
-            return None
+        if c.loss_on == "assistant":
+            # only the turn end would carry loss there: the model would learn to answer with nothing
+            empty = [j for j, m in enumerate(msgs) if m["role"] == "assistant" and not m["content"].strip()]
+            n_answers = sum(m["role"] == "assistant" for m in msgs)
+            if empty and len(empty) == n_answers:
+                report.add("empty_response", where, "every assistant turn is empty")
+                return None
+            if empty:
+                report.add("empty_response", where, f"assistant message {empty[0]} is empty (of {n_answers} "
+                           "assistant turns); it would train the model to stop at once")
+                return None
         return msgs
 
     def _render(self, msgs: list[dict]) -> tuple[str, list[tuple[int, int]]]:
@@ -271,21 +383,72 @@ class Formatter:
             ids, mask = np.concatenate([ids, [self.eos_id]]), np.concatenate([mask, [1]]).astype(np.uint8)
         truncated = False
         if c.max_length is not None and len(ids) > c.max_length:
-            ids, mask = self._truncate(ids, mask)
+            n = len(ids)
+            ids, mask, n_sep = self._truncate(ids, mask)
             truncated = True
-            self.n_truncated += 1
+            self.stats["n_truncated"] += 1
+            self.stats["n_truncated_tokens"] += n - (len(ids) - n_sep)
         return FormattedDoc(ids.astype(np.int64), mask.astype(np.uint8), truncated)
 
-    def _truncate(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # -- truncation ------------------------------------------------------------------------------
+    def _truncate(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """(ids, mask, separators inserted) cut to max_length by the configured policy."""
         L = self.cfg.max_length
         if self.cfg.truncation == "right":
-            return ids[:L], mask[:L]
+            return ids[:L], mask[:L], 0
         first = 1 if (self.cfg.add_bos or (len(ids) and ids[0] == self.bos_id)) else 0
-        # the leading prompt: tokens without loss before the first response token (a BOS stays).
-        # Only this prefix is cut: deleting later no-loss tokens (a second user turn, a header)
-        # would splice responses into a sequence that never occurred.
+        # the leading prompt: tokens without loss before the first response token (a BOS stays)
         lead = int(np.argmax(mask[first:] != 0)) if mask[first:].any() else len(ids) - first
+        if self.cfg.truncation == "head_tail":
+            region = len(ids) - first if self.cfg.kind == "text" else lead
+            out = self._head_tail(ids, mask, first, region)
+            if out is not None:
+                return out
+            if self.cfg.kind == "text":
+                return ids[:L], mask[:L], 0
+        # prompt_left. Only the leading prompt is cut: deleting later no-loss tokens (a second user
+        # turn, a header) would splice responses into a sequence that never occurred.
         k = min(len(ids) - L, lead)
         ids = np.concatenate([ids[:first], ids[first + k :]])
         mask = np.concatenate([mask[:first], mask[first + k :]])
-        return ids[:L], mask[:L]  # leading prompt exhausted: cut the rest from the right
+        return ids[:L], mask[:L], 0  # leading prompt exhausted: cut the rest from the right
+
+    def _head_tail(self, ids, mask, first: int, region: int):
+        """Drop the middle of ids[first : first + region] (see the module docstring); None: it cannot absorb the cut."""
+        excess = len(ids) - self.cfg.max_length
+        sep = [] if self.sep_id is None else [self.sep_id]
+        keep = region - excess - len(sep)  # region tokens that fit beside the separator
+        if keep < 1:
+            return None
+        ht = self.cfg.head_tail
+        h = int(round(keep * ht)) if isinstance(ht, float) else min(int(ht), keep)
+        t = keep - h
+        a, b = first, first + region  # the region
+        if h == 0 or (t == 0 and b == len(ids)):  # nothing on one side of the cut: a plain cut, no separator
+            keep += len(sep)
+            if h == 0:
+                return (np.concatenate([ids[:a], ids[b - keep :]]), np.concatenate([mask[:a], mask[b - keep :]]), 0)
+            return ids[: a + keep], mask[: a + keep], 0
+        tail_ids, tail_mask = ids[b - t :], mask[b - t :].copy()
+        tail_mask[0] = 0  # the first token after the cut: its real context is gone
+        new_ids = np.concatenate([ids[: a + h], np.asarray(sep, np.int64), tail_ids])
+        new_mask = np.concatenate([mask[: a + h], np.zeros(len(sep), np.uint8), tail_mask]).astype(np.uint8)
+        return new_ids, new_mask, len(sep)
+
+
+def _without_builtin_truncation(tokenizer):
+    """The tokenizer itself, or a copy with its tokenizer.json truncation/padding turned off (warned)."""
+    trunc, pad = getattr(tokenizer, "truncation", None), getattr(tokenizer, "padding", None)
+    if not trunc and not pad:
+        return tokenizer
+    from tokenizers import Tokenizer
+
+    what = " and ".join(w for w, on in ((f"truncation (max_length={(trunc or {}).get('max_length')})", trunc),
+                                        ("padding", pad)) if on)
+    warnings.warn(f"the tokenizer has {what} enabled (tokenizer.json); ftlib turns it off while formatting so no "
+                  "document is cut or padded silently: use FormatConfig.max_length and its truncation policy",
+                  stacklevel=3)
+    tok = Tokenizer.from_str(tokenizer.to_str())
+    tok.no_truncation()
+    tok.no_padding()
+    return tok

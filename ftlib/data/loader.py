@@ -3,7 +3,7 @@
     loader = TokenLoader(cache, batch_size=8, seq_len=2048, pad_id=0, seed=1234)
     for epoch in range(start_epoch, n_epochs):
         loader.set_epoch(epoch)
-        for batch in loader:          # dict of tensors, DESIGN.md's batch contract
+        for batch in loader:          # dict of tensors, the batch contract of ftlib.data.collate
             ...
             ckpt["data"] = loader.state_dict()
 
@@ -12,12 +12,17 @@ computed once, since the rows depend only on the lengths); otherwise a unit is a
 batches are padded by ``collate.pad_collate`` (optionally length-grouped).
 
 Order. Epoch e's order is a permutation drawn from ``np.random.default_rng([seed, e])`` — the
-same on every rank and every run. It is cut into *global steps* of ``batch_size * world_size``
-units; rank r takes units ``[r * batch_size, (r + 1) * batch_size)`` of each global step. So the
-ranks partition every step without overlap or loss. The tail that does not fill a global step
-is dropped (``drop_last=True``, default, keeps ranks in lock-step; a fresh order each epoch
-drops different units) or split across the ranks in the same way (``drop_last=False``; some
-ranks may then get one short or no final batch).
+same on every rank and every run (with ``group_by_length``, the length-grouped batches of
+``collate.length_grouped_batches``). It is cut into *global steps* of ``batch_size *
+world_size`` units; rank r takes units ``[r * batch_size, (r + 1) * batch_size)`` of each global
+step. So the ranks partition every step without overlap or loss. The tail that does not fill a
+global step is always the *last* step. It is dropped (``drop_last=True``, default; a fresh order
+each epoch drops different units) or split evenly across the ranks (``drop_last=False``: rank r
+gets ``q + (r < rem)`` of its ``n = q * world_size + rem`` units). Every rank therefore yields
+the same number of batches, and none is empty: where the tail has fewer units than ranks, a
+rank without one gets a *filler*, a copy of the tail's shortest unit with every label -100
+(no loss, no tokens counted by token-weighted accumulation, ordinary attention). In
+``rank_steps`` a filler of unit u is written ``-1 - u``.
 
 Workers. Each step of a rank is one item of a map-style dataset, fetched by a
 ``torch.utils.data.DataLoader`` (``batch_size=None``) from a sampler over the step indices, so
@@ -28,7 +33,8 @@ A dataset with fewer units than one global step is refused with ``drop_last=True
 epoch would be empty).
 
 Resume. ``state_dict()`` is ``{epoch, step}`` plus the settings that define the order and the
-data's size (units, tokens);
+data's identity: units, tokens and a SHA-256 of the document lengths in order (so reordered or
+swapped documents are refused, not only a changed total);
 ``step`` counts batches already handed to the user (prefetched batches are not counted), so
 ``load_state_dict`` followed by iteration yields exactly the batches not yet seen.
 ``set_epoch(e)`` with a new epoch starts it at step 0; iterating a finished epoch yields nothing
@@ -36,6 +42,8 @@ and moves the loader to the next epoch, so a loop without ``set_epoch`` also wor
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 import torch
@@ -62,11 +70,15 @@ class _StepDataset(torch.utils.data.Dataset):
         return len(self.steps)
 
     def __getitem__(self, k):
-        units = self.steps[k]
+        units = np.asarray(self.steps[k])
+        real = units >= 0  # a negative id -1 - u: a filler copy of unit u, without labels
+        units = np.where(real, units, -1 - units)
         o = self.opts
         if self.plan is not None:
-            return collate_packed(self.plan, units, self.docs.__getitem__, o["pad_id"])
-        return pad_collate([self.docs[int(d)] for d in units], o["pad_id"],
+            return collate_packed(self.plan, units, self.docs.__getitem__, o["pad_id"], loss=real)
+        docs = [self.docs[int(d)] for d in units]
+        docs = [(t, m if ok else np.zeros_like(m)) for (t, m), ok in zip(docs, real)]
+        return pad_collate(docs, o["pad_id"],
                            pad_to_multiple_of=o["pad_to_multiple_of"], max_length=o["max_length"],
                            padding_side=o["padding_side"])
 
@@ -116,6 +128,9 @@ class TokenLoader:
         self.overflow = overflow
         self.plan = pack(self.lengths, seq_len, overflow, pack_backend) if packing else None
         self.n_units = self.plan.n_rows if packing else len(self.lengths)
+        self._unit_len = (np.add.reduceat(self.plan.length, self.plan.row_ptr[:-1]) if packing and self.n_units
+                          else self.lengths)
+        self._lengths_sha = hashlib.sha256(np.ascontiguousarray(self.lengths, "<i8").tobytes()).hexdigest()
         G = batch_size * self.world_size
         if drop_last and self.n_units < G:  # every epoch would be empty: refuse rather than train on nothing
             what = "packed rows" if packing else "documents"
@@ -143,12 +158,24 @@ class TokenLoader:
         return steps
 
     def rank_steps(self, epoch: int | None = None) -> list[np.ndarray]:
-        """Unit ids of each batch this rank yields in ``epoch`` (default: the current one)."""
+        """Unit ids of each batch this rank yields in ``epoch`` (default: the current one); ``-1 - u``
+        is a filler copy of unit u (see the module docstring)."""
         epoch = self.epoch if epoch is None else epoch
         if self._steps_cache is None or self._steps_cache[0] != epoch:
-            B, r = self.batch_size, self.rank
-            mine = [s[r * B : (r + 1) * B] for s in self._global_steps(epoch)]
-            self._steps_cache = (epoch, [m for m in mine if len(m)])
+            B, W, r = self.batch_size, self.world_size, self.rank
+            mine = []
+            for s in self._global_steps(epoch):
+                if len(s) == B * W:
+                    mine.append(s[r * B : (r + 1) * B])
+                    continue
+                # the short last step: an even split, and a filler where a rank would get nothing
+                q, rem = divmod(len(s), W)
+                a = r * q + min(r, rem)
+                part = s[a : a + q + (r < rem)]
+                if not len(part):
+                    part = np.asarray([-1 - int(s[np.argmin(self._unit_len[s])])])
+                mine.append(part)
+            self._steps_cache = (epoch, mine)
         return self._steps_cache[1]
 
     def __len__(self) -> int:
@@ -162,6 +189,7 @@ class TokenLoader:
     def _identity(self) -> dict:
         # everything the order of units depends on, plus the data's size (n_units, n_tokens)
         return {"seed": self.seed, "n_units": self.n_units, "n_tokens": int(self.lengths.sum()),
+                "lengths_sha256": self._lengths_sha,
                 "batch_size": self.batch_size, "world_size": self.world_size, "rank": self.rank,
                 "packing": self.packing, "seq_len": self.seq_len, "overflow": self.overflow,
                 "shuffle": self.shuffle, "drop_last": self.drop_last, "group_by_length": self.group_by_length,

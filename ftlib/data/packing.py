@@ -18,12 +18,8 @@ compiles the torch headers) and the NumPy path below follow exactly these rules,
 their outputs are identical. ``FTLIB_PACK_BACKEND=auto|cpp|numpy`` forces one; forcing ``cpp``
 without a compiler is an error.
 
-Batch contract (DESIGN.md). ``collate_packed`` turns rows into ``input_ids`` [B, T] int64,
-``labels`` [B, T] (aligned with input_ids, -100 = no loss; also -100 on the first token of every
-segment, which no token of its own segment predicts), ``position_ids`` [B, T] restarting at 0 per
-segment, ``cu_seqlens`` int32 [n_segments + 1] over the flattened B*T tokens and ``max_seqlen``.
-The padding tail of a row is a segment of its own (pad ids, labels -100), so segments never
-cross a row and ``cu_seqlens[-1] == B*T``.
+Rows become a batch in ``ftlib.data.collate.collate_packed`` (the batch contract is stated
+there); it is re-exported here for existing imports.
 """
 
 from __future__ import annotations
@@ -38,7 +34,8 @@ import subprocess
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+from .collate import collate_packed  # re-export: packed rows -> batch lives beside pad_collate
 
 __all__ = ["PackPlan", "PackStats", "pack", "bfd_assign", "collate_packed", "cpp_available"]
 
@@ -199,34 +196,3 @@ def pack(lengths, seq_len: int, overflow: str = "split", backend: str | None = N
         n_truncated_docs=n_trunc_docs, n_truncated_tokens=n_trunc_tok,
     )
     return PackPlan(seq_len, row_ptr, doc[items], start[items], length[items], stats)
-
-
-def collate_packed(plan: PackPlan, rows, get_doc, pad_id: int) -> dict:
-    """Build a packed batch from row ids. ``get_doc(d) -> (ids, loss_mask)`` NumPy arrays."""
-    T, B = plan.seq_len, len(rows)
-    ids = np.full((B, T), pad_id, dtype=np.int64)
-    labels = np.full((B, T), -100, dtype=np.int64)
-    pos = np.zeros((B, T), dtype=np.int64)
-    cu = [0]
-    for b, r in enumerate(rows):
-        p = 0
-        for d, s, n in plan.row(int(r)):
-            tok, mask = get_doc(d)
-            seg = tok[s : s + n].astype(np.int64)
-            ids[b, p : p + n] = seg
-            labels[b, p : p + n] = np.where(mask[s : s + n] != 0, seg, -100)
-            labels[b, p] = -100  # first token of a segment: nothing in the segment predicts it
-            pos[b, p : p + n] = np.arange(n)
-            p += n
-            cu.append(b * T + p)
-        if p < T:  # padding tail: its own segment
-            pos[b, p:] = np.arange(T - p)
-            cu.append((b + 1) * T)
-    cu_arr = np.asarray(cu, dtype=np.int32)
-    return {
-        "input_ids": torch.from_numpy(ids),
-        "labels": torch.from_numpy(labels),
-        "position_ids": torch.from_numpy(pos),
-        "cu_seqlens": torch.from_numpy(cu_arr),
-        "max_seqlen": int(np.diff(cu_arr).max()) if B else 0,
-    }

@@ -1,27 +1,44 @@
-"""Raw record sources: JSONL (+ .gz), Parquet, plain text, tar shards, hub dataset repos.
+"""Raw record sources: JSONL, JSON, Parquet, plain text (each optionally gzipped), tar shards
+(incl. webdataset samples), hub dataset repos.
 
-A *shard* is one file on disk (a .jsonl, .jsonl.gz, .parquet, .txt or .tar file); the token
-cache tokenizes and stores each shard separately, so adding shards to a corpus only tokenizes
-the new ones. ``list_shards(spec)`` expands a path, a directory (recursively, sorted), a glob,
-or ``hf://datasets/owner/name[@revision][/path or glob]`` into shards; ``iter_raw(shard)`` streams the shard's
-*raw items* — undecoded bytes for line/text formats, dicts for Parquet — each with a location
-string ``file:line`` (``file!member:line`` inside a tar). ``decode_item`` turns a raw item into a
-record dict; it is split from reading so that decoding and JSON parsing run in the tokenizer
-worker processes, not in the reader.
+A *shard* is one file on disk; the token cache tokenizes and stores each shard separately, so
+adding shards to a corpus only tokenizes the new ones. ``list_shards(spec)`` expands a path, a
+directory (recursively, sorted), a glob, or ``hf://datasets/owner/name[@revision][/path or glob]``
+into shards; ``iter_raw(shard, report)`` streams the shard's *raw items* — undecoded bytes for
+line and text formats, dicts for Parquet rows and JSON documents — each with a location string
+``file:line`` (``file!member:line`` inside a tar). ``decode_item`` turns a raw item into a record
+dict; it is split from reading so that decoding and JSON parsing of JSON Lines run in the
+tokenizer worker processes, not in the reader.
 
-Formats
-    ``*.jsonl``, ``*.jsonl.gz``   one JSON object per line (blank lines are skipped)
-    ``*.parquet``                 one record per row (read in row groups with pyarrow)
-    ``*.txt``                     the whole file is one document: ``{"text": ...}``
-    ``*.tar``, ``*.tar.gz``, ``*.tgz``  streamed with ``tarfile`` mode ``r|*`` (never extracted to
-                                  disk); members ``.jsonl`` / ``.txt`` as above. A member with
-                                  an absolute path or a ``..`` component, or a link, is refused.
+Formats (by file name; ``.gz`` after any of the first three means gzip)
+    ``*.jsonl``     one JSON object per line (blank lines are skipped)
+    ``*.json``      a JSON array of objects, one object, or a sequence of objects (JSON Lines
+                    named ``.json``); parsed in the reader, each object located by its line
+    ``*.txt``       the whole file is one document: ``{"text": ...}``
+    ``*.parquet``   one record per row (read in row groups with pyarrow)
+    ``*.tar``, ``*.tar.gz``, ``*.tgz``  streamed with ``tarfile`` mode ``r|*`` (never extracted
+                    to disk). Members of the formats above are read as files. Members ``.json``
+                    / ``.txt`` are grouped into *webdataset samples*: adjacent members sharing a
+                    key (the member path up to the first dot of its base name, e.g.
+                    ``shard/000017`` for ``shard/000017.json`` and ``shard/000017.txt``). A key
+                    with one member is read as that file; a key with several becomes one record:
+                    the fields of its ``.json`` object(s) plus, per text member, a field named by
+                    its extension (``txt`` -> ``"text"``, ``en.txt`` -> ``"en.txt"``). Parquet
+                    members are read into memory (Parquet needs random access).
+                    Refused (reported, never read as data): links, members with an absolute path
+                    or a ``..`` component, non-regular members, members of any other type.
 
-Errors. Every problem (malformed JSON, invalid UTF-8, unsafe tar member, unreadable or
-truncated file; missing fields and empty documents are found by the formatter) is reported
-through a :class:`SkipReport`: in strict mode the first one raises :class:`DataError` naming the
-file, line and reason; in lenient mode the record is skipped and counted by reason, with the
-first few locations kept. Nothing is dropped silently.
+Directories hold data files of the types above; other files in them (README.md, ...) are listed
+in a warning, hidden files and directories are not looked at.
+
+Errors. Every problem (malformed JSON, invalid UTF-8, a refused tar member, a file that cannot
+be read to its end; missing fields and empty documents are found by the formatter) goes to a
+:class:`~ftlib.data.report.SkipReport`: in strict mode the first one raises
+:class:`~ftlib.data.report.DataError` naming the file, line and reason; in lenient mode it is
+counted with the number of records it cost — known for a bad record, a refused member (its
+records are counted, not read as data) or a corrupt Parquet file (its footer gives the row
+count); unknown for a gzip, tar or JSON stream cut short, where the report states how many
+records were read before the cut. Nothing is dropped silently.
 
 Fingerprint. :func:`shard_fingerprint` is the shard's size plus a SHA-256 over its first and
 last MiB and 16 evenly spaced 64 KiB blocks. It costs ~3 MiB of reads per shard whatever the
@@ -39,13 +56,18 @@ import hashlib
 import io
 import json
 import os
+import re
 import tarfile
+import warnings
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import pyarrow as pa
+
+from .report import DataError, SkipReport
 
 __all__ = [
     "DataError",
@@ -55,70 +77,27 @@ __all__ = [
     "iter_raw",
     "decode_item",
     "iter_records",
+    "parse_hub_spec",
     "resolve_hub_dataset",
     "shard_fingerprint",
 ]
 
-LINE_EXTS = (".jsonl", ".jsonl.gz")
-TEXT_EXTS = (".txt",)
-PARQUET_EXTS = (".parquet",)
-TAR_EXTS = (".tar", ".tar.gz", ".tgz")
-SUPPORTED_EXTS = LINE_EXTS + TEXT_EXTS + PARQUET_EXTS + TAR_EXTS
-
-
-class DataError(ValueError):
-    """A bad record or file; the message names the location (file:line) and the reason."""
-
-
-@dataclass
-class SkipReport:
-    """Counts of skipped records per reason, with the first ``keep`` locations of each.
-
-    ``strict=True`` turns the first :meth:`add` into a :class:`DataError`.
-    """
-
-    strict: bool = True
-    keep: int = 5
-    counts: dict[str, int] = field(default_factory=dict)
-    examples: dict[str, list[str]] = field(default_factory=dict)
-
-    def add(self, reason: str, location: str, detail: str = "") -> None:
-        msg = f"{location}: {reason}" + (f": {detail}" if detail else "")
-        if self.strict:
-            raise DataError(msg + " (use lenient mode to skip and count such records)")
-        self.counts[reason] = self.counts.get(reason, 0) + 1
-        ex = self.examples.setdefault(reason, [])
-        if len(ex) < self.keep:
-            ex.append(msg)
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def merge(self, other: SkipReport | dict) -> None:
-        d = other.to_dict() if isinstance(other, SkipReport) else other
-        for reason, n in d.get("counts", {}).items():
-            self.counts[reason] = self.counts.get(reason, 0) + n
-        for reason, ex in d.get("examples", {}).items():
-            mine = self.examples.setdefault(reason, [])
-            mine.extend(ex[: max(0, self.keep - len(mine))])
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"counts": dict(self.counts), "examples": {k: list(v) for k, v in self.examples.items()}}
-
-    def __str__(self) -> str:
-        if not self.counts:
-            return "no records skipped"
-        lines = [f"{self.total} records skipped:"]
-        for reason, n in sorted(self.counts.items()):
-            lines.append(f"  {reason}: {n}")
-            lines.extend(f"    {e}" for e in self.examples.get(reason, []))
-        return "\n".join(lines)
+# kind -> file name endings (matched case-insensitively, longest first where they overlap)
+_EXTS = {
+    "jsonl": (".jsonl", ".jsonl.gz"),
+    "json": (".json", ".json.gz"),
+    "text": (".txt", ".txt.gz"),
+    "parquet": (".parquet",),
+    "tar": (".tar", ".tar.gz", ".tgz"),
+}
+SUPPORTED_EXTS = tuple(e for exts in _EXTS.values() for e in exts)
+_MEMBER_KINDS = ("jsonl", "json", "text", "parquet")  # what a tar member may hold
+_UNREADABLE = (OSError, EOFError, zlib.error, tarfile.TarError, pa.ArrowException)
 
 
 @dataclass(frozen=True)
 class Shard:
-    """One source file; ``kind`` is ``jsonl`` | ``text`` | ``parquet`` | ``tar``."""
+    """One source file; ``kind`` is ``jsonl`` | ``json`` | ``text`` | ``parquet`` | ``tar``."""
 
     path: str
     kind: str
@@ -126,15 +105,45 @@ class Shard:
 
 def _kind_of(path: str) -> str | None:
     p = path.lower()
-    if p.endswith(LINE_EXTS):
-        return "jsonl"
-    if p.endswith(TEXT_EXTS):
-        return "text"
-    if p.endswith(PARQUET_EXTS):
-        return "parquet"
-    if p.endswith(TAR_EXTS):
-        return "tar"
+    for kind, exts in _EXTS.items():
+        if p.endswith(exts):
+            return kind
     return None
+
+
+# ---- hub ----------------------------------------------------------------------------------------
+# Revisions that contain '/' (the Hub's own refs). Any other revision ends at the first '/', unless
+# written URL-quoted (``@my%2Fbranch``), as the Hub's own hf:// paths do.
+_SPECIAL_REF = re.compile(r"(refs/convert/\w+|refs/pr/\d+)(?=/|$)")
+
+
+def parse_hub_spec(spec: str) -> tuple[str, str | None, str | None]:
+    """``hf://datasets/owner/name[@revision][/path]`` -> ``(repo_id, revision, path)``.
+
+    ``revision`` may be a branch, tag or commit, one of the Hub's refs with slashes
+    (``refs/convert/parquet``, ``refs/pr/3``), or URL-quoted (``feature%2Fx``).
+    """
+    prefix = "hf://datasets/"
+    if not spec.startswith(prefix):
+        raise DataError(f"{spec}: a hub dataset is written hf://datasets/owner/name[@revision][/path]")
+    owner, _, rest = spec[len(prefix) :].partition("/")
+    first = rest.split("/", 1)[0]
+    rev = None
+    if "@" in first:
+        name, _, after = rest.partition("@")
+        m = _SPECIAL_REF.match(after)
+        if m:
+            rev, sub = m.group(1), after[m.end() :].lstrip("/")
+        else:
+            rev, _, sub = after.partition("/")
+            rev = unquote(rev)
+        if not rev:
+            raise DataError(f"{spec}: empty revision after '@'")
+    else:
+        name, _, sub = rest.partition("/")
+    if not owner or not name:
+        raise DataError(f"{spec}: a hub dataset is written hf://datasets/owner/name[@revision][/path]")
+    return f"{owner}/{name}", rev, (sub.strip("/") or None)
 
 
 def resolve_hub_dataset(repo_id: str, revision: str | None = None, cache_dir: str | None = None,
@@ -157,13 +166,15 @@ def resolve_hub_dataset(repo_id: str, revision: str | None = None, cache_dir: st
     )
 
 
+# ---- listing ------------------------------------------------------------------------------------
 def list_shards(spec: str | os.PathLike | list, hub_cache_dir: str | None = None) -> list[Shard]:
     """Expand a source spec into shards, in a stable sorted order.
 
     ``spec``: a file, a directory (searched recursively), a glob pattern,
-    ``hf://datasets/owner/name[@revision][/path]``, or a list of these. Without a path the whole
-    repo is read, every split together; a path (file, directory or glob inside the repo, e.g.
-    ``data/train-*.parquet``) selects one, and only its files are downloaded.
+    ``hf://datasets/owner/name[@revision][/path]`` (see :func:`parse_hub_spec`), or a list of
+    these. Without a path the whole repo is read, every split together; a path (file, directory
+    or glob inside the repo, e.g. ``data/train-*.parquet``) selects one, and only its files are
+    downloaded.
     """
     if isinstance(spec, (list, tuple)):
         out: list[Shard] = []
@@ -172,19 +183,24 @@ def list_shards(spec: str | os.PathLike | list, hub_cache_dir: str | None = None
         return out
     spec = os.fspath(spec)
     if spec.startswith("hf://datasets/"):
-        owner, _, rest = spec[len("hf://datasets/") :].partition("/")
-        name_rev, _, sub = rest.partition("/")
-        name, _, rev = name_rev.partition("@")
-        local = resolve_hub_dataset(f"{owner}/{name}", rev or None, hub_cache_dir, sub or None)
+        repo_id, rev, sub = parse_hub_spec(spec)
+        local = resolve_hub_dataset(repo_id, rev, hub_cache_dir, sub)
         spec = os.path.join(local, sub) if sub else local
     if os.path.isdir(spec):
-        files = []
+        files, ignored = [], []
         for root, dirs, names in os.walk(spec, followlinks=True):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            files.extend(os.path.join(root, n) for n in names if _kind_of(n) and not n.startswith("."))
+            for n in names:
+                if not n.startswith("."):
+                    (files if _kind_of(n) else ignored).append(os.path.join(root, n))
         files.sort()
         if not files:
             raise DataError(f"{spec}: directory holds no supported files ({', '.join(SUPPORTED_EXTS)})")
+        if ignored:
+            ignored.sort()
+            shown = ", ".join(os.path.relpath(f, spec) for f in ignored[:5]) + (", ..." if len(ignored) > 5 else "")
+            warnings.warn(f"{spec}: {len(ignored)} file(s) that are not data files were not read: {shown} "
+                          f"(data files: {', '.join(SUPPORTED_EXTS)})", stacklevel=2)
     elif os.path.isfile(spec):
         files = [spec]
     else:
@@ -218,15 +234,109 @@ def shard_fingerprint(path: str, full_hash: bool = False) -> str:
     return f"sampled-sha256:{h.hexdigest()}"
 
 
-# A raw item is (payload, location, is_text_doc): payload is bytes (a JSON line or a whole text
-# document) or an already-decoded dict (Parquet row).
-RawItem = tuple[Any, str, bool]
+# ---- readers ------------------------------------------------------------------------------------
+# A raw item is (payload, location, form): form "line" (bytes of one JSON object), "text" (bytes of
+# a whole text document) or "record" (an already-decoded dict: a Parquet row, a JSON document).
+RawItem = tuple[Any, str, str]
+_WS = re.compile(r"[ \t\n\r]*")
 
 
-def _iter_lines(stream: io.BufferedIOBase, where: str) -> Iterator[RawItem]:
+def _iter_lines(stream, where: str) -> Iterator[RawItem]:
     for lineno, line in enumerate(stream, 1):
         if line.strip():
-            yield line, f"{where}:{lineno}", False
+            yield line, f"{where}:{lineno}", "line"
+
+
+def _iter_json(data: bytes, where: str, report: SkipReport) -> Iterator[RawItem]:
+    """Objects of a JSON document: an array of objects, one object, or a sequence of objects."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        report.add("invalid_utf8", where, f"byte {e.start}: {e.reason}; the file's records are lost "
+                   "(how many is unknown)", n=None)
+        return
+    dec = json.JSONDecoder()
+    line, line_pos = 1, 0
+
+    def at(pos):  # "where:line" of a character position (positions only move forward)
+        nonlocal line, line_pos
+        line += text.count("\n", line_pos, pos)
+        line_pos = pos
+        return f"{where}:{line}"
+
+    n_read = 0
+
+    def cut(pos, msg):
+        report.add("malformed_json", at(pos), f"{msg}; {n_read} records read before it, the rest of the file "
+                   "is lost (how many records is unknown)", n=None)
+
+    pos = _WS.match(text).end()
+    array = pos < len(text) and text[pos] == "["
+    if array:
+        pos = _WS.match(text, pos + 1).end()
+    while pos < len(text):
+        if array and text[pos] == "]":
+            pos = _WS.match(text, pos + 1).end()
+            if pos < len(text):
+                cut(pos, "content after the closing ']' of the top-level array")
+            return
+        try:
+            obj, end = dec.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            cut(e.pos, f"{e.msg} at column {e.colno}")
+            return
+        loc = at(pos)
+        if isinstance(obj, dict):
+            n_read += 1
+            yield obj, loc, "record"
+        else:
+            report.add("malformed_json", loc, f"expected a JSON object, got {type(obj).__name__}")
+        pos = _WS.match(text, end).end()
+        if array and pos < len(text):
+            if text[pos] == ",":
+                pos = _WS.match(text, pos + 1).end()
+            elif text[pos] != "]":
+                cut(pos, "expected ',' or ']' after an array element")
+                return
+    if array:
+        cut(pos, "the top-level array is not closed (file cut short?)")
+
+
+def _iter_parquet(source, where: str, report: SkipReport) -> Iterator[RawItem]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(source)  # a corrupt footer raises here: the row count is unknown
+    md, start = pf.metadata, 0
+    for g in range(md.num_row_groups):  # group by group: a corrupt one costs its own rows only
+        n_g, got = md.row_group(g).num_rows, 0
+        try:
+            for batch in pf.iter_batches(batch_size=4096, row_groups=[g]):
+                for rec in batch.to_pylist():
+                    got += 1
+                    yield rec, f"{where}:row {start + got}", "record"
+        except (OSError, pa.ArrowException) as e:  # the footer counts the rows: the loss is known
+            report.add("unreadable_file", f"{where}:rows {start + got + 1}-{start + n_g} (row group {g})",
+                       f"{type(e).__name__}: {e}".replace("\n", " ").strip(), n=n_g - got)
+        start += n_g
+
+
+def _iter_file(f, name: str, where: str, kind: str, report: SkipReport) -> Iterator[RawItem]:
+    """Items of one data file (on disk or a tar member) given as a binary file object."""
+    if kind == "parquet":
+        yield from _iter_parquet(f if isinstance(f, str) else pa.BufferReader(f.read()), where, report)
+        return
+    if isinstance(f, str):
+        f = open(f, "rb")  # closed by the with below
+    with f:
+        stream = gzip.GzipFile(fileobj=f) if name.lower().endswith(".gz") else f
+        if kind == "jsonl":
+            yield from _iter_lines(stream, where)
+        elif kind == "json":
+            yield from _iter_json(stream.read(), where, report)
+        elif kind == "text":
+            yield stream.read(), f"{where}:1", "text"
+        else:
+            raise DataError(f"{where}: unknown data kind {kind!r}")
 
 
 def _safe_member(name: str) -> bool:
@@ -234,77 +344,143 @@ def _safe_member(name: str) -> bool:
     return not (name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":") or ".." in parts)
 
 
+def _wds_key(name: str) -> tuple[str, str]:
+    """webdataset's split of a member name: ``dir/000017.en.txt`` -> (``dir/000017``, ``en.txt``)."""
+    d, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{d}/{stem}" if d else stem), ext
+
+
+def _count_records(data: bytes, name: str, kind: str) -> int | None:
+    """How many records a refused member holds (read from memory, never used); None if unreadable."""
+    try:
+        return sum(1 for _ in _iter_file(io.BytesIO(data), name, name, kind, SkipReport(strict=False)))
+    except Exception:
+        return None
+
+
+class _Sample:
+    """The members of one webdataset sample, buffered until its key changes."""
+
+    def __init__(self, path: str):
+        self.path, self.key, self.members = path, None, []  # members: (name, ext, kind, bytes)
+
+    def flush(self, report: SkipReport) -> Iterator[RawItem]:
+        members, self.members, self.key = self.members, [], None
+        if len(members) == 1:  # a lone member is a file of its own (a .json may hold an array)
+            name, _, kind, data = members[0]
+            yield from _iter_file(io.BytesIO(data), name, f"{self.path}!{name}", kind, report)
+        elif members:
+            yield from self._merge(members, report)
+
+    def _merge(self, members, report: SkipReport) -> Iterator[RawItem]:
+        key = _wds_key(members[0][0])[0]
+        where = f"{self.path}!{key}.{{{','.join(m[1] for m in members)}}}"
+        rec: dict[str, Any] = {}
+        for name, ext, kind, data in members:
+            try:
+                text = (gzip.decompress(data) if name.lower().endswith(".gz") else data).decode("utf-8")
+            except UnicodeDecodeError as e:
+                report.add("invalid_utf8", f"{where} ({name})", f"byte {e.start}: {e.reason}")
+                return
+            except (OSError, EOFError, zlib.error) as e:
+                report.add("unreadable_file", f"{where} ({name})", f"{type(e).__name__}: {e}")
+                return
+            if kind == "json":
+                try:
+                    fields = json.loads(text)
+                except json.JSONDecodeError as e:
+                    report.add("malformed_json", f"{where} ({name}:{e.lineno})", f"{e.msg} at column {e.colno}")
+                    return
+                if not isinstance(fields, dict):
+                    report.add("malformed_json", f"{where} ({name})",
+                               f"a sample's .json must be one object, got {type(fields).__name__}")
+                    return
+            else:
+                fld = ext[: -len(".gz")] if ext.lower().endswith(".gz") else ext
+                fields = {"text" if fld == "txt" else fld: text}
+            dup = sorted(set(fields) & set(rec))
+            if dup:
+                report.add("bad_field", where, f"field(s) {dup} given by more than one member of the sample")
+                return
+            rec.update(fields)
+        yield rec, where, "record"
+
+
+def _iter_tar(path: str, report: SkipReport) -> Iterator[RawItem]:
+    sample = _Sample(path)
+    data_exts = ", ".join(e for k in _MEMBER_KINDS for e in _EXTS[k])
+    with tarfile.open(path, mode="r|*") as tf:  # stream mode: members are read in order, never extracted
+        for member in tf:
+            name = member.name
+            where = f"{path}!{name}"
+            if member.isdir():
+                continue
+            if member.issym() or member.islnk():
+                report.add("unsafe_tar_member", where, "links inside tar shards are refused", n=None)
+                continue
+            if not member.isfile():
+                report.add("unsupported_tar_member", where, f"not a regular file (tar type {member.type!r})", n=None)
+                continue
+            kind = _kind_of(name)
+            if not _safe_member(name):
+                n = _count_records(tf.extractfile(member).read(), name, kind) if kind in _MEMBER_KINDS else None
+                report.add("unsafe_tar_member", where, "absolute path or '..' in member name; refused", n=n)
+                continue
+            if kind not in _MEMBER_KINDS:
+                report.add("unsupported_tar_member", where, f"not a data member (data members: {data_exts})", n=None)
+                continue
+            key = _wds_key(name)[0]
+            if sample.members and key != sample.key:
+                yield from sample.flush(report)
+            if kind in ("json", "text"):  # may be one field of a webdataset sample: buffer it
+                sample.key = key
+                sample.members.append((name, _wds_key(name)[1], kind, tf.extractfile(member).read()))
+                continue
+            yield from sample.flush(report)
+            f = tf.extractfile(member)
+            try:
+                yield from _iter_file(f, name, where, kind, report)
+            except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # this member's own gzip layer is broken
+                report.add("unreadable_file", f"{where} (after the last record read from it)",
+                           f"{type(e).__name__}: {e}; the rest of the member is lost (how many records is unknown)",
+                           n=None)
+        yield from sample.flush(report)
+
+
 def iter_raw(shard: Shard, report: SkipReport) -> Iterator[RawItem]:
     """Stream a shard's raw items (undecoded) with their locations; see the module docstring.
 
     A file that cannot be read to its end (truncated gzip or tar, corrupt Parquet) is reported as
-    ``unreadable_file`` at the last location reached; the items before it are kept.
+    ``unreadable_file`` at the last location reached, with the number of records read before it;
+    the items before it are kept.
     """
-    where = shard.path
+    where, n = shard.path, 0
     try:
-        for item in _iter_raw(shard, report):
-            where = item[1]
+        if shard.kind == "tar":
+            items = _iter_tar(shard.path, report)
+        else:
+            items = _iter_file(shard.path, shard.path, shard.path, shard.kind, report)
+        for item in items:
+            where, n = item[1], n + 1
             yield item
-    except (OSError, EOFError, zlib.error, tarfile.TarError, pa.ArrowException) as e:
-        report.add("unreadable_file", f"{where} (after this point)" if where != shard.path else where,
-                   f"{type(e).__name__}: {e}")
-
-
-def _iter_raw(shard: Shard, report: SkipReport) -> Iterator[RawItem]:
-    path = shard.path
-    if shard.kind == "jsonl":
-        opener = gzip.open if path.lower().endswith(".gz") else open
-        with opener(path, "rb") as f:
-            yield from _iter_lines(f, path)
-    elif shard.kind == "text":
-        with open(path, "rb") as f:
-            yield f.read(), f"{path}:1", True
-    elif shard.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        pf = pq.ParquetFile(path)
-        row = 0
-        for batch in pf.iter_batches(batch_size=4096):
-            for rec in batch.to_pylist():
-                row += 1
-                yield rec, f"{path}:row {row}", False
-    elif shard.kind == "tar":
-        with tarfile.open(path, mode="r|*") as tf:  # stream mode: members are read in order, never extracted
-            for member in tf:
-                where = f"{path}!{member.name}"
-                if member.issym() or member.islnk():
-                    report.add("unsafe_tar_member", where, "links inside tar shards are refused")
-                    continue
-                if not member.isfile():
-                    continue
-                if not _safe_member(member.name):
-                    report.add("unsafe_tar_member", where, "absolute path or '..' in member name; refused")
-                    continue
-                kind = _kind_of(member.name)
-                if kind not in ("jsonl", "text"):
-                    continue
-                f = tf.extractfile(member)
-                if member.name.lower().endswith(".gz"):
-                    f = gzip.GzipFile(fileobj=f)
-                if kind == "jsonl":
-                    yield from _iter_lines(f, where)
-                else:
-                    yield f.read(), f"{where}:1", True
-    else:
-        raise DataError(f"{path}: unknown shard kind {shard.kind!r}")
+    except _UNREADABLE as e:
+        report.add("unreadable_file", f"{where} (after this point)" if n else where,
+                   f"{type(e).__name__}: {e}; {n} records read before it, the rest of the file is lost "
+                   "(how many records is unknown)", n=None)
 
 
 def decode_item(item: RawItem, report: SkipReport) -> dict | None:
     """Decode one raw item into a record dict, or report it and return None."""
-    payload, where, is_text = item
-    if isinstance(payload, dict):
+    payload, where, form = item
+    if form == "record":
         return payload
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError as e:
         report.add("invalid_utf8", where, f"byte {e.start}: {e.reason}")
         return None
-    if is_text:
+    if form == "text":
         return {"text": text}
     try:
         rec = json.loads(text)

@@ -17,7 +17,7 @@ Module names mirror Hugging Face's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
 (``model.layers.0.self_attn.q_proj.weight`` ...). Projections are plain
 ``nn.Linear`` so adapters can wrap them.
 
-Three batch layouts (see DESIGN.md, "Batch"), decided once per forward by ``BatchPlan.build``
+Three batch layouts (the batch contract of ``ftlib.data.collate``), decided once per forward by ``BatchPlan.build``
 (the one place that reads the layout arguments) and applied by ``BatchPlan.attend`` (the one
 place that calls the attention op); the blocks never look at the layout:
 

@@ -6,7 +6,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>",
-            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+            # Gemma, Phi-3 and a separator for head+tail truncation
+            "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<|user|>", "<|assistant|>", "<|system|>",
+            "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<sep>"]
 CORPUS = ["hello world", "the quick brown fox jumps over the lazy dog", "assistant says hi there",
           "user asks why the sky is blue", "because of Rayleigh scattering", "système über naïve café"]
 

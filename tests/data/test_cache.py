@@ -1,6 +1,8 @@
+import gzip
 import json
 import os
 import pickle
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -216,3 +218,82 @@ def test_parquet_chunks_are_bounded_by_bytes_not_only_rows(tmp_path, tokenizer, 
     c = build_cache(str(tmp_path / "long.parquet"), tokenizer, TEXT, str(tmp_path / "c"), progress=False)
     assert len(c) == 40 and sum(sizes) == 40
     assert max(sizes) <= 3, sizes  # 64 KiB / 24 KB rows
+
+
+@dataclass(frozen=True)
+class _PairConfig:
+    """A config following the formatter hook: one record -> two documents with two int columns."""
+
+    columns = ("pair_id", "chosen")  # a class attribute, not a field
+    eos_token: str = "</s>"
+    bad_columns: bool = False
+
+    def fingerprint(self):
+        return f"test-pairs|{self.eos_token}|{self.bad_columns}"
+
+    def formatter(self, tokenizer):
+        text = Formatter(tokenizer, FormatConfig(kind="text", eos_token=self.eos_token))
+
+        def fmt(rec, where, report):
+            docs = []
+            for side, chosen in (("chosen", 1), ("rejected", 0)):
+                doc = text({"text": rec["prompt"] + " " + rec[side]}, where, report)
+                if doc is None:
+                    return None
+                doc.extra = {"pair_id": rec["id"], "chosen": chosen} if not self.bad_columns else {"id": 1}
+                docs.append(doc)
+            return docs
+
+        return fmt
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_formatter_hook_gives_several_documents_with_columns(tmp_path, tokenizer, write_jsonl, num_proc):
+    recs = [{"id": 10 + i, "prompt": "why is the sky blue", "chosen": "because of Rayleigh scattering",
+             "rejected": "hello " * (i + 1)} for i in range(7)]
+    src = write_jsonl(tmp_path / "p.jsonl", recs)
+    c = build_cache(src, tokenizer, _PairConfig(), str(tmp_path / "c"), num_proc=num_proc, progress=False)
+    assert len(c) == 14 and c.columns["pair_id"].tolist() == [10 + i // 2 for i in range(14)]
+    assert c.columns["chosen"].tolist() == [1, 0] * 7 and c.columns["chosen"].dtype == np.int64
+    text = Formatter(tokenizer, TEXT)
+    assert c[1][0].tolist() == text({"text": recs[0]["prompt"] + " " + recs[0]["rejected"]}, "x", SkipReport()
+                                    ).input_ids.tolist()
+    assert open_cache(str(tmp_path / "c")).manifest["columns"] == ["pair_id", "chosen"]
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: the formatter gave columns \['id'\], the config declares"):
+        build_cache(src, tokenizer, _PairConfig(bad_columns=True), str(tmp_path / "c2"), progress=False)
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_reader_and_worker_skips_share_one_report_per_shard(tmp_path, tokenizer, num_proc):
+    src = tmp_path / "src"
+    src.mkdir()
+    with gzip.open(src / "a.jsonl.gz", "wt") as f:  # a bad record (worker) then a cut (reader)
+        f.write('{"text": "hello"}\n{bad\n')
+        for i in range(3000):
+            f.write(json.dumps({"text": f"doc {i}"}) + "\n")
+    data = (src / "a.jsonl.gz").read_bytes()
+    (src / "a.jsonl.gz").write_bytes(data[: len(data) // 2])
+    (src / "b.jsonl").write_text('{"text": "world"}\n{"txt": 1}\n')
+    c = build_cache(str(src), tokenizer, TEXT, str(tmp_path / "c"), num_proc=num_proc, strict=False, progress=False)
+    assert c.report.counts == {"malformed_json": 1, "unreadable_file": 0, "missing_field": 1}
+    assert c.report.unknown == {"unreadable_file": 1}
+    metas = [json.loads(p.read_text()) for p in sorted((tmp_path / "c" / "shards").glob("*.json"))]
+    by_src = {os.path.basename(m["source"]): m["skipped"] for m in metas}
+    assert by_src["a.jsonl.gz"]["counts"] == {"malformed_json": 1, "unreadable_file": 0}
+    assert by_src["a.jsonl.gz"]["unknown"] == {"unreadable_file": 1}
+    assert by_src["b.jsonl"]["counts"] == {"missing_field": 1}
+
+
+def test_truncation_stats_are_kept_with_the_cache(tmp_path, tokenizer, write_jsonl, capsys):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "the quick brown fox jumps over the lazy dog " * 3}, {"text": "hi"}])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    rc = cli(["build", "--source", str(tmp_path / "a.jsonl"), "--tokenizer", str(tmp_path / "tokenizer.json"),
+              "--out", str(tmp_path / "c"), "--eos-token", "</s>", "--max-length", "12", "--truncation", "head_tail",
+              "--head-tail", "4", "--truncation-sep", "<sep>", "--num-proc", "1", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "1 truncated" in out and "truncation=head_tail" in out
+    c = open_cache(str(tmp_path / "c"))
+    n_full = len(Formatter(tokenizer, TEXT)({"text": "the quick brown fox jumps over the lazy dog " * 3}, "x",
+                                             SkipReport()).input_ids)
+    assert c.stats == {"n_truncated": 1, "n_truncated_tokens": n_full - 11} and c.lengths.max() == 12
+    assert c[0][0][4] == tokenizer.token_to_id("<sep>")

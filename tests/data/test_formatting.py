@@ -126,6 +126,7 @@ def test_truncation_cuts_prompt_from_the_left_first(tokenizer):
     assert np.array_equal(right.input_ids, full.input_ids[:L])
 
 
+@pytest.mark.filterwarnings("ignore:chat template")  # the probe for the turn end fails the same way
 def test_template_is_sandboxed(tokenizer):
     evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
     fmt = Formatter(tokenizer, FormatConfig(kind="chat", chat_template=evil))
@@ -193,7 +194,7 @@ def test_prompt_left_truncation_invariants(tokenizer, loss, max_length, bos):
         ids[0], mask[0] = fmt.bos_id, 0
     if len(ids) <= max_length:
         return
-    got, got_mask = fmt._truncate(ids, mask)
+    got, got_mask, _ = fmt._truncate(ids, mask)
     first = int(bos)
     assert len(got) == max_length and np.array_equal(got[:first], ids[:first])
     body = got[first:]
@@ -206,3 +207,127 @@ def test_prompt_left_truncation_invariants(tokenizer, loss, max_length, bos):
     lead = int(np.argmax(mask[first:] != 0)) if mask[first:].any() else len(ids) - first
     if k < lead:  # the leading prompt was not used up: nothing was cut on the right
         assert first + k + len(body) == len(ids)
+
+
+# ---- turn end ------------------------------------------------------------------------------------
+def test_turn_end_is_read_from_any_template(tokenizer):
+    from _chat_templates import TEMPLATES
+
+    from ftlib.data import detect_turn_end
+
+    for name, (template, bos, eos, _, turn_end, _) in TEMPLATES.items():
+        found, rendered = detect_turn_end(template, tokenizer, bos or "", eos or "")
+        assert found == turn_end, (name, found, rendered)
+    # the newline after <|im_end|> is never generated (decoding stops at the token): no loss on it
+    assert detect_turn_end("chatml", tokenizer) == ("<|im_end|>", "<|im_end|>\n")
+    # every token the template writes before the next turn, up to the last special one, is the turn end
+    two = "{% for m in messages %}[{{ m['role'] }}]\n{{ m['content'] }}<|end|>\n{{ eos_token }}\n{% endfor %}"
+    assert detect_turn_end(two, tokenizer, eos_token="</s>") == ("<|end|>\n</s>", "<|end|>\n</s>\n")
+
+
+def test_no_turn_end_warns_once_and_explicit_turn_end_wins(tokenizer):
+    bare = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.warns(UserWarning, match="no turn end found.*will not learn to stop"):
+        fmt = Formatter(tokenizer, FormatConfig(kind="chat", chat_template=bare))
+    assert fmt.turn_end is None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # add_eos gives the answer an end: no warning
+        Formatter(tokenizer, FormatConfig(kind="chat", chat_template=bare, eos_token="</s>", add_eos=True))
+    # an explicit turn end that the template does write: it gets loss
+    tmpl = "{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    fmt = Formatter(tokenizer, FormatConfig(kind="chat", chat_template=tmpl, turn_end="<|end|>\n"))
+    doc = fmt({"messages": CONV[1:3]}, "x:1", SkipReport())
+    loss = tokenizer.decode([i for i, m in zip(doc.input_ids.tolist(), doc.loss_mask) if m], skip_special_tokens=False)
+    assert loss == CONV[2]["content"] + "<|end|>\n"
+    with pytest.warns(UserWarning, match="does not follow the assistant's content"):
+        Formatter(tokenizer, FormatConfig(kind="chat", chat_template=tmpl, turn_end="<|im_end|>"))
+
+
+def test_a_template_without_jinja_tags_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="neither a built-in name"):
+        render_chat(CONV, "llama-3")
+    with pytest.raises(ValueError, match=r"did you mean 'llama3'"):
+        FormatConfig(kind="instruction", chat_template="llama_3")
+
+
+# ---- head + tail truncation ----------------------------------------------------------------------
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 60), st.integers(1, 40), st.booleans(), st.booleans(),
+       st.one_of(st.floats(0, 1), st.integers(0, 45)), st.lists(st.booleans(), min_size=60, max_size=60))
+def test_head_tail_truncation_properties(tokenizer, n, max_length, bos, sep, head_tail, loss):
+    """Length bound; the first h and last t tokens kept in place; masks aligned with the kept tokens;
+    the separator and the first token after the cut carry no loss."""
+    cfg = FormatConfig(kind="text", eos_token="</s>", bos_token="<s>", max_length=max_length, truncation="head_tail",
+                       head_tail=head_tail, truncation_sep="<sep>" if sep else None)
+    fmt = Formatter(tokenizer, cfg)
+    ids = np.arange(100, 100 + n, dtype=np.int64)  # token values are positions + 100
+    mask = np.asarray(loss[:n], dtype=np.uint8)
+    if bos:
+        ids[0], mask[0] = fmt.bos_id, 0
+    if n <= max_length:
+        return
+    got, got_mask, n_sep = fmt._truncate(ids, mask)
+    assert len(got) == max_length == len(got_mask)  # the bound, met exactly
+    first = int(bos)
+    assert np.array_equal(got[:first], ids[:first])
+    body, bmask = got[first:], got_mask[first:]
+    is_sep = body == fmt.sep_id
+    assert n_sep == int(is_sep.sum()) <= 1
+    orig = np.where(is_sep, -1, body - 100)  # position of each kept token in the original
+    kept = orig[~is_sep]
+    assert (np.diff(kept) > 0).all()  # order kept, nothing duplicated
+    gaps = np.flatnonzero(np.diff(kept) > 1)
+    assert len(gaps) <= 1  # one cut: a head and a tail
+    head = kept[: gaps[0] + 1] if len(gaps) else kept
+    tail = kept[gaps[0] + 1 :] if len(gaps) else kept[:0]
+    if len(kept):
+        assert head[0] == first or (not len(tail) and kept[-1] == n - 1)  # a head starts at the start...
+    if len(tail):
+        assert tail[-1] == n - 1  # ...and a tail ends at the end
+        region = max_length - first - n_sep
+        h = round(region * head_tail) if isinstance(head_tail, float) else min(head_tail, region)
+        assert len(head) == h and len(tail) == region - h
+    if n_sep:
+        assert len(tail) and np.flatnonzero(is_sep)[0] == len(head)  # the separator sits in the gap
+    # masks: each kept token keeps its mask, except the separator and the first token after the cut
+    j = np.flatnonzero(~is_sep)
+    want = mask[kept].copy()
+    if len(tail):
+        want[len(head)] = 0
+    assert np.array_equal(bmask[j], want) and not bmask[is_sep].any()
+
+
+def test_head_tail_keeps_the_response_of_a_chat_record(tokenizer):
+    """For chat the middle of an over-long prompt goes; the response stays whole; stats count it."""
+    rec = {"prompt": "the quick brown fox jumps over the lazy dog " * 4, "response": "because of Rayleigh scattering"}
+    base = dict(kind="instruction", chat_template="chatml")
+    full = Formatter(tokenizer, FormatConfig(**base))(rec, "x:1", SkipReport())
+    lead = int(np.argmax(full.loss_mask))
+    L = len(full.input_ids) - lead // 2
+    fmt = Formatter(tokenizer, FormatConfig(**base, max_length=L, truncation="head_tail", head_tail=6,
+                                            truncation_sep="<sep>"))
+    doc = fmt(rec, "x:1", SkipReport())
+    sep = tokenizer.token_to_id("<sep>")
+    assert len(doc.input_ids) == L and doc.truncated
+    i = doc.input_ids.tolist().index(sep)
+    assert i == 6 and np.array_equal(doc.input_ids[:6], full.input_ids[:6])  # the head: 6 tokens
+    n_tail = L - 7
+    assert np.array_equal(doc.input_ids[7:], full.input_ids[-n_tail:])  # the prompt's end + the whole response
+    assert np.array_equal(doc.loss_mask[7:], full.loss_mask[-n_tail:]) and doc.loss_mask[i] == 0
+    assert fmt.stats == {"n_truncated": 1, "n_truncated_tokens": len(full.input_ids) - (L - 1)}
+    # a limit the prompt cannot absorb: as prompt_left (prompt gone, response cut on the right)
+    short = Formatter(tokenizer, FormatConfig(**base, max_length=3, truncation="head_tail"))(rec, "x:1", SkipReport())
+    assert np.array_equal(short.input_ids, full.input_ids[full.loss_mask == 1][:3])
+
+
+def test_head_tail_settings_are_checked(tokenizer):
+    with pytest.raises(ValueError, match="head_tail must be"):
+        FormatConfig(kind="text", truncation="head_tail", head_tail=1.5)
+    with pytest.raises(ValueError, match="head_tail must be"):
+        FormatConfig(kind="text", truncation="head_tail", head_tail=True)
+    with pytest.raises(ValueError, match="truncation_sep applies to truncation='head_tail'"):
+        FormatConfig(kind="text", truncation_sep="<sep>")
+    with pytest.raises(ValueError, match="truncation_sep='<nope>' is not in the tokenizer vocabulary"):
+        Formatter(tokenizer, FormatConfig(kind="text", eos_token="</s>", truncation="head_tail", truncation_sep="<nope>"))

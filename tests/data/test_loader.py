@@ -39,18 +39,28 @@ def test_ranks_partition_every_epoch(n, batch_size, world, packing, drop_last, e
     loaders = [TokenLoader(docs, batch_size=batch_size, pad_id=0, seq_len=48, packing=packing, rank=r,
                            world_size=world, drop_last=drop_last, seed=7) for r in range(world)]
     units = np.concatenate([np.concatenate(L.rank_steps(epoch) or [np.zeros(0, int)]) for L in loaders])
-    assert len(np.unique(units)) == len(units)  # no unit on two ranks or twice on one
+    real = units[units >= 0]  # a negative id is a filler copy (no labels) of unit -1 - id
+    assert len(np.unique(real)) == len(real)  # no unit on two ranks or twice on one
     n_units = loaders[0].n_units
     G = batch_size * world
-    assert len(units) == (n_units // G * G if drop_last else n_units)
-    if drop_last:
-        assert len({len(L.rank_steps(epoch)) for L in loaders}) == 1  # ranks stay in lock-step
+    assert len(real) == (n_units // G * G if drop_last else n_units)
+    assert len({len(L.rank_steps(epoch)) for L in loaders}) == 1  # ranks stay in lock-step (no DDP hang)
+    for L in loaders:
+        sizes = [len(s) for s in L.rank_steps(epoch)]
+        assert min(sizes) >= 1 and all(n == batch_size for n in sizes[:-1])  # only the last step is short
+    if not drop_last and n_units % G:  # the short last step is split evenly: real units per rank differ by <= 1
+        last = [int((L.rank_steps(epoch)[-1] >= 0).sum()) for L in loaders]
+        assert sum(last) == n_units % G and max(last) - min(last) <= 1
     # the batches themselves carry exactly those units' tokens
     if not packing and not drop_last:
+        toks = []
         for L in loaders:
             L.set_epoch(epoch)
-        toks = sorted(t for L in loaders for t in _tokens(L))
-        assert toks == list(range(1, int(docs.lengths.sum()) + 1))
+            for units, batch in zip(L.rank_steps(epoch), L):
+                filler = torch.as_tensor(units < 0)
+                assert (batch["labels"][filler] == -100).all()  # a filler row teaches nothing
+                toks += [t for t in batch["input_ids"][~filler].ravel().tolist() if t != 0]
+        assert sorted(toks) == list(range(1, int(docs.lengths.sum()) + 1))
 
 
 @settings(max_examples=20, deadline=None)
@@ -187,3 +197,26 @@ def test_documents_over_max_length_are_refused_up_front_by_index():
     with pytest.raises(ValueError, match=r"2 documents exceed max_length=8 \(first: document 1, 9 tokens\)"):
         TokenLoader(MemDocs(lengths), batch_size=2, pad_id=0, packing=False, max_length=8)
     assert len(TokenLoader(MemDocs(lengths), batch_size=2, pad_id=0, packing=False, max_length=12)) == 3
+
+
+def test_a_tail_smaller_than_the_world_gives_filler_batches_without_labels():
+    """5 packed rows, 2 per rank on 4 ranks: the tail of 1 row goes to rank 0; ranks 1-3 get a
+    filler copy of it with no labels, so every rank steps the same number of times."""
+    docs = MemDocs([16] * 5)
+    loaders = [TokenLoader(docs, batch_size=1, pad_id=0, seq_len=16, drop_last=False, rank=r, world_size=4, seed=0)
+               for r in range(4)]
+    batches = [list(L) for L in loaders]
+    assert [len(b) for b in batches] == [2, 2, 2, 2]
+    last = [b[-1] for b in batches]
+    assert (last[0]["labels"] != -100).any()
+    for b in last[1:]:
+        assert (b["labels"] == -100).all() and torch.equal(b["input_ids"], last[0]["input_ids"])
+
+
+def test_resume_fingerprints_the_lengths_in_order():
+    lengths = _lengths(30)
+    state = TokenLoader(MemDocs(lengths), batch_size=2, pad_id=0, seq_len=40).state_dict()
+    assert len(state["lengths_sha256"]) == 64
+    TokenLoader(MemDocs(lengths.copy()), batch_size=2, pad_id=0, seq_len=40).load_state_dict(state)  # same data: fine
+    with pytest.raises(ValueError, match="'lengths_sha256'"):
+        TokenLoader(MemDocs(lengths[::-1].copy()), batch_size=2, pad_id=0, seq_len=40).load_state_dict(state)

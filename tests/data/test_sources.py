@@ -33,13 +33,17 @@ def test_all_formats_in_a_directory(tmp_path, write_jsonl):
     with tarfile.open(d / "e.tar", "w") as tf:
         _add_member(tf, "x/e.jsonl", b'{"text": "e1"}\n')
         _add_member(tf, "x/f.txt", b"f-doc")
-        _add_member(tf, "x/readme.md", b"ignored")
-    (d / "notes.md").write_text("unsupported files in a directory are ignored")
-    texts, rep = _texts(str(d))
-    assert texts == ["a1", "a2", "b1", "c1", "c2", "e1", "f-doc", "whole\nfile"]
-    assert rep.total == 0
-    kinds = [s.kind for s in list_shards(str(d))]
-    assert kinds == ["jsonl", "jsonl", "parquet", "tar", "text"]
+    (d / "g.json").write_text(json.dumps([{"text": "g1"}, {"text": "g2"}]))
+    with gzip.open(d / "h.txt.gz", "wt") as f:
+        f.write("gzipped text")
+    (d / "notes.md").write_text("not a data file: named in a warning, not read")
+    with pytest.warns(UserWarning, match=r"1 file\(s\) that are not data files were not read: notes\.md"):
+        texts, rep = _texts(str(d))
+    assert texts == ["a1", "a2", "b1", "c1", "c2", "e1", "f-doc", "g1", "g2", "gzipped text", "whole\nfile"]
+    assert not rep
+    with pytest.warns(UserWarning):
+        kinds = [s.kind for s in list_shards(str(d))]
+    assert kinds == ["jsonl", "jsonl", "parquet", "tar", "json", "text", "text"]
 
 
 def test_tar_is_streamed_never_extracted(tmp_path, monkeypatch):
@@ -136,14 +140,16 @@ def test_truncated_gzip_and_tar_links(tmp_path, write_jsonl):
     with pytest.raises(DataError, match=r"t\.jsonl\.gz:\d+ \(after this point\): unreadable_file"):
         _texts(str(p))
     texts, rep = _texts(str(p), strict=False)
-    assert 0 < len(texts) < 2000 and texts[0] == "doc 0 " + "x" * 50 and rep.counts == {"unreadable_file": 1}
+    assert 0 < len(texts) < 2000 and texts[0] == "doc 0 " + "x" * 50
+    assert rep.counts == {"unreadable_file": 0} and rep.unknown == {"unreadable_file": 1}  # lost: not countable
+    assert f"{len(texts)} records read before it" in rep.examples["unreadable_file"][0]
     t = tmp_path / "l.tar"
     with tarfile.open(t, "w") as tf:
         ti = tarfile.TarInfo("link.jsonl")
         ti.type, ti.linkname = tarfile.SYMTYPE, "/etc/passwd"
         tf.addfile(ti)
     texts, rep = _texts(str(t), strict=False)
-    assert texts == [] and rep.counts == {"unsafe_tar_member": 1}
+    assert texts == [] and rep.unknown == {"unsafe_tar_member": 1}
 
 
 def test_hub_dataset_path_inside_the_repo_selects_a_split(tmp_path, monkeypatch, write_jsonl):
@@ -168,3 +174,120 @@ def test_hub_dataset_path_inside_the_repo_selects_a_split(tmp_path, monkeypatch,
     assert calls[-1]["revision"] is None and "data/*.jsonl" in calls[-1]["allow_patterns"]
     with pytest.raises(DataError, match="no such file"):
         list_shards("hf://datasets/org/name/valid-*.jsonl")
+
+
+def test_json_files_arrays_objects_and_lines(tmp_path):
+    """.json: an array of objects, one object, or JSON Lines named .json; each object has its line."""
+    a = tmp_path / "a.json"
+    a.write_text('[\n  {"text": "a0"},\n  {"text": "a1"},\n  3\n]\n')
+    rep = SkipReport(strict=False)
+    got = list(iter_records(str(a), rep))
+    assert [(r["text"], loc) for r, loc in got] == [("a0", f"{a}:2"), ("a1", f"{a}:3")]
+    assert rep.counts == {"malformed_json": 1} and rep.examples["malformed_json"][0].startswith(f"{a}:4: ")
+    (tmp_path / "b.json").write_text('{"text": "one object"}')
+    (tmp_path / "c.json").write_text('{"text": "l0"}\n{"text": "l1"}\n')
+    with gzip.open(tmp_path / "d.json.gz", "wt") as f:
+        f.write('[{"text": "gz"}]')
+    assert _texts([str(tmp_path / n) for n in ("b.json", "c.json", "d.json.gz")])[0] == ["one object", "l0", "l1", "gz"]
+
+
+@pytest.mark.parametrize("text,where,msg", [
+    ('[{"text": "ok"}, {"text": "cut', 1, "Unterminated string"),
+    ('[{"text": "ok"},\n{"text": "x"}', 2, "not closed"),
+    ('[{"text": "ok"}] trailing', 1, "content after the closing"),
+    ('[{"text": "ok"} {"text": "no comma"}]', 1, "expected ',' or ']'"),
+])
+def test_a_broken_json_file_reports_what_was_read(tmp_path, text, where, msg):
+    p = tmp_path / "x.json"
+    p.write_text(text)
+    with pytest.raises(DataError, match=rf"x\.json:{where}: malformed_json: .*{msg}"):
+        _texts(str(p))
+    texts, rep = _texts(str(p), strict=False)
+    assert texts[0] == "ok" and rep.unknown == {"malformed_json": 1}
+    assert f"{len(texts)} records read before it" in rep.examples["malformed_json"][0]
+
+
+def test_webdataset_samples_group_by_key(tmp_path):
+    p = tmp_path / "w.tar"
+    with tarfile.open(p, "w") as tf:
+        _add_member(tf, "a/000.json", b'{"messages": [], "id": 0}')
+        _add_member(tf, "a/000.txt", b"zero")
+        _add_member(tf, "a/000.en.txt", b"null")
+        _add_member(tf, "a/001.txt", b"one")  # a lone member: a file of its own
+        _add_member(tf, "a/002.json", b'[{"text": "two-a"}, {"text": "two-b"}]')  # lone: an array is many records
+        _add_member(tf, "a/003.json", b'{"text": "dup"}')
+        _add_member(tf, "a/003.txt", b"dup again")  # both give "text": refused
+        _add_member(tf, "a/004.json", b"[1]")
+        _add_member(tf, "a/004.txt", b"x")  # a sample's .json must be one object
+    rep = SkipReport(strict=False)
+    got = list(iter_records(str(p), rep))
+    assert got[0] == ({"messages": [], "id": 0, "text": "zero", "en.txt": "null"}, f"{p}!a/000.{{json,txt,en.txt}}")
+    assert [r.get("text") for r, _ in got[1:]] == ["one", "two-a", "two-b"]
+    assert rep.counts == {"bad_field": 1, "malformed_json": 1}
+    assert "field(s) ['text'] given by more than one member" in rep.examples["bad_field"][0]
+
+
+def test_refused_and_unsupported_tar_members_are_counted(tmp_path):
+    p = tmp_path / "r.tar"
+    with tarfile.open(p, "w") as tf:
+        _add_member(tf, "../up.jsonl", b'{"text": "1"}\n{"text": "2"}\n\n{"text": "3"}\n')
+        _add_member(tf, "notes.md", b"# not data")
+        ti = tarfile.TarInfo("fifo")
+        ti.type = tarfile.FIFOTYPE
+        tf.addfile(ti)
+        _add_member(tf, "ok.txt", b"kept")
+    rep = SkipReport(strict=False)
+    assert [r["text"] for r, _ in iter_records(str(p), rep)] == ["kept"]
+    assert rep.counts == {"unsafe_tar_member": 3, "unsupported_tar_member": 0}  # its 3 records, never read as data
+    assert rep.unknown == {"unsupported_tar_member": 2}
+    assert "3 records skipped, and an unknown number more in 2 place(s) that could not be read" in str(rep)
+    assert "unsupported_tar_member: an unknown number (2 places)" in str(rep)
+
+
+def test_parquet_and_gzip_members_in_a_tar(tmp_path):
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": ["p0", "p1"]}), buf)
+    p = tmp_path / "m.tar.gz"
+    with tarfile.open(p, "w:gz") as tf:
+        _add_member(tf, "x.parquet", buf.getvalue())
+        _add_member(tf, "y.jsonl.gz", gzip.compress(b'{"text": "j0"}\n'))
+        _add_member(tf, "z.txt.gz", gzip.compress(b"t0"))
+        cut = gzip.compress("".join(json.dumps({"text": f"b{i}"}) + "\n" for i in range(3000)).encode())
+        _add_member(tf, "bad.jsonl.gz", cut[: len(cut) // 2])  # a member cut short, in an intact tar
+        _add_member(tf, "after.txt", b"after")
+    rep = SkipReport(strict=False)
+    texts = [r["text"] for r, _ in iter_records(str(p), rep)]
+    assert texts[:4] == ["p0", "p1", "j0", "t0"] and texts[-1] == "after"  # the next members are still read
+    assert rep.unknown == {"unreadable_file": 1} and "bad.jsonl.gz" in rep.examples["unreadable_file"][0]
+
+
+@pytest.mark.parametrize("spec,want", [
+    ("hf://datasets/org/name", ("org/name", None, None)),
+    ("hf://datasets/org/name@v1", ("org/name", "v1", None)),
+    ("hf://datasets/org/name@v1/data/train-*.parquet", ("org/name", "v1", "data/train-*.parquet")),
+    ("hf://datasets/org/name/data", ("org/name", None, "data")),
+    ("hf://datasets/org/name@refs/convert/parquet", ("org/name", "refs/convert/parquet", None)),
+    ("hf://datasets/org/name@refs/convert/parquet/default/train", ("org/name", "refs/convert/parquet", "default/train")),
+    ("hf://datasets/org/name@refs/pr/3/x.jsonl", ("org/name", "refs/pr/3", "x.jsonl")),
+    ("hf://datasets/org/name@feature%2Fx/data", ("org/name", "feature/x", "data")),
+])
+def test_hub_spec_parsing(spec, want):
+    assert src.parse_hub_spec(spec) == want
+    try:  # the same answer as huggingface_hub's own parser, where it has one
+        from huggingface_hub.utils import parse_hf_uri
+    except ImportError:
+        return
+    u = parse_hf_uri(spec)
+    assert (u.id, u.revision, u.path_in_repo or None) == want
+
+
+def test_report_counts_unknown_losses_apart():
+    rep = SkipReport(strict=False)
+    assert not rep and str(rep) == "no records skipped"
+    rep.add("unreadable_file", "f.gz:10 (after this point)", "EOFError", n=None)
+    assert rep and rep.total == 0 and rep.n_unknown == 1 and "unknown" in str(rep)
+    other = SkipReport(strict=False)
+    other.add("unreadable_file", "p.parquet:rows 1-100", n=100)
+    other.merge(rep.to_dict())
+    assert other.counts == {"unreadable_file": 100} and other.unknown == {"unreadable_file": 1}
+    assert "unreadable_file: 100 + an unknown number (1 place)" in str(other)
