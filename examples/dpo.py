@@ -23,9 +23,9 @@ A real run on one GPU (pairs in JSONL with "prompt"/"messages", "chosen", "rejec
 ``torchrun --nproc_per_node=N`` the pairs are sharded by rank and gradients averaged by DDP.
 
 ``--demo`` builds the tiny demo model, tokenizer and data (no download), fine-tunes it briefly on the
-arithmetic chat data (``finetune_lora.py``), merges that adapter, then runs DPO on checkable pairs
-(the right sum preferred to a wrong one) and prints the held-out numbers before and after: a few
-minutes on a 2-core CPU.
+word-reversal chat data (``finetune_lora.py``), merges that adapter, then runs DPO on checkable pairs
+(the reversed list preferred to the same words in a wrong order) and prints the numbers on held-out
+word lists before and after: a few minutes on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
 DEFAULTS = {"max_length": 1024, "batch_size": 2, "grad_accum": 8, "epochs": 1, "lr": 5e-6, "beta": 0.1}
 # beta 0.5: with 0.1 the tiny demo model drifts far from the reference and its generations degrade
 DEMO_DEFAULTS = {"max_length": 64, "batch_size": 4, "grad_accum": 1, "epochs": 1, "lr": 1e-3, "beta": 0.5}
-DEMO_SFT_STEPS = 75  # 3 epochs of the demo chat data: the answer format and about 2/3 of the sums
+DEMO_SFT_STEPS = 150  # finetune_lora.py --demo's recipe (3 epochs, ~150 steps): the answer format, most of the task
 
 
 def parse_args(argv=None):
@@ -148,25 +148,24 @@ def setup_distributed():
 def demo_setup(args, out: Path) -> None:
     """Demo assets, a short SFT run (unless --sft-adapter is given) and checkable train/held-out pairs.
 
-    Held out: a fresh draw of pairs (other wrong answers, other seed). The demo task has only 200
-    distinct questions (100 sums, in digits or words), so the held-out questions are ones DPO also
-    trained on; what is held out is the wrong answer each is compared with. Each pair carries a
-    checkable score (``reward_chosen`` 0, ``reward_rejected`` minus the distance of the wrong sum),
+    Held out: one pair for each of the demo's 64 held-out word lists, prompts that no SFT or DPO
+    training record contains (``heldout_pairs``). Each pair carries a checkable score
+    (``reward_chosen`` 0, ``reward_rejected`` minus the number of misplaced words, ``pair_score``),
     the fields a reward model would write, so ``--margin-filter`` has margins to work with.
     """
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _demo_assets import demo_pairs, make_demo_assets
+    from _demo_assets import demo_pairs, heldout_pairs, make_demo_assets, pair_score
 
     make_demo_assets(out / "demo")
     args.model = str(out / "demo" / "base")
     pairs_dir = out / "demo" / "pairs"
     if not (pairs_dir / "eval.jsonl").exists():
-        number = lambda text: int(text.rstrip(".").rsplit(" ", 1)[1])
-        splits = {"train": demo_pairs(args.demo_pairs, seed=args.seed + 1), "eval": demo_pairs(128, seed=args.seed + 2)}
+        splits = {"train": demo_pairs(args.demo_pairs, seed=args.seed + 1), "eval": heldout_pairs(seed=args.seed)}
         pairs_dir.mkdir(parents=True, exist_ok=True)
         for name, recs in splits.items():
             for r in recs:
-                r["reward_chosen"], r["reward_rejected"] = 0.0, -float(abs(number(r["rejected"]) - number(r["chosen"])))
+                prompt = r["messages"][-1]["content"]
+                r["reward_chosen"], r["reward_rejected"] = pair_score(prompt, r["chosen"]), pair_score(prompt, r["rejected"])
             with open(pairs_dir / f"{name}.jsonl", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in recs)
     args.data, args.eval_data = [str(pairs_dir / "train.jsonl")], [str(pairs_dir / "eval.jsonl")]
@@ -177,8 +176,8 @@ def demo_setup(args, out: Path) -> None:
         if not (sft_out / "adapter" / "adapter_config.json").exists():
             print(f"== SFT first: {args.demo_sft_steps} steps of finetune_lora.py on the demo chat data")
             finetune_lora.main(["--model", args.model, "--data", str(out / "demo" / "data"), "--out", str(sft_out),
-                                "--seq-len", "256", "--batch-size", "4", "--grad-accum", "2", "--lr", "3e-3",
-                                "--epochs", "3", "--max-steps", str(args.demo_sft_steps), "--log-every", "25", "--num-proc", "1",
+                                "--seq-len", "256", "--batch-size", "4", "--grad-accum", "1", "--lr", "2e-3",
+                                "--lora-r", "64", "--lora-alpha", "256", "--epochs", "3", "--max-steps", str(args.demo_sft_steps), "--log-every", "25", "--num-proc", "1",
                                 "--num-workers", "0", "--seed", str(args.seed)])
         args.sft_adapter = str(sft_out / "adapter")
 

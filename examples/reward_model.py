@@ -22,7 +22,7 @@ and add ``"reward_chosen"`` and ``"reward_rejected"`` (floats): the input of the
         --eval-pairs data/prefs/eval.jsonl --score-pairs data/prefs/train.jsonl --out runs/rm
 
 ``--demo`` builds a tiny model and tokenizer plus arithmetic preference pairs (the right sum chosen,
-a wrong one rejected; ``demo_pairs``) and trains on them in a minute on a CPU. Its held-out pairs
+a wrong one rejected; ``arithmetic_pairs``) and trains on them in a minute on a CPU. Its held-out pairs
 are comparisons never seen in training (other wrong answers) for the training prompts: a random
 2-layer model does not learn arithmetic for unseen prompts from a reward signal in minutes, but it
 does learn which answer of a prompt is right, as a reward model of a real model learns which
@@ -196,12 +196,12 @@ def main(argv=None):
         precision, fallback = resolve_precision(device.type, args.fallback)
 
     if args.demo:
-        from _demo_assets import demo_pairs, make_demo_assets  # examples/_demo_assets.py
+        from _demo_assets import arithmetic_pairs, make_demo_assets  # examples/_demo_assets.py
 
         make_demo_assets(out / "demo")
         pair_dir = out / "demo" / "pairs"
         pair_dir.mkdir(parents=True, exist_ok=True)
-        for name, recs in zip(("train", "eval"), demo_split(demo_pairs(4000, seed=1), args.demo_prompts, args.seed)):
+        for name, recs in zip(("train", "eval"), demo_split(arithmetic_pairs(4000, seed=1), args.demo_prompts, args.seed)):
             (pair_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         args.model = str(out / "demo" / "base")
         args.pairs, args.eval_pairs = [str(pair_dir / "train.jsonl")], [str(pair_dir / "eval.jsonl")]

@@ -10,6 +10,10 @@ Modules (import the ones you need; nothing here pulls in optional dependencies):
 - ``ftlib.sched``    LR schedules (warmup + cosine/linear/constant, WSD, plateau-aware hybrid)
 - ``ftlib.preference``  DPO-family losses, chunked sequence log-probs, reference log-probs (pairs: ``ftlib.data.pairs``)
 - ``ftlib.kernels``  attention dispatch (flash-attn / Triton / PyTorch reference)
+- ``ftlib.checkpoint``  atomic, verified train-state checkpoints; exact resume
+- ``ftlib.metrics``  progress bar, per-step JSONL, MFU, peak memory, plots
+- ``ftlib.evaluation``  held-out loss / perplexity, exact match through generation
+
 - ``ftlib.offload``  activation offloading to pinned host memory (per block, with checkpointing)
 """
 
