@@ -2,6 +2,11 @@
 # GPU checks in one command (under 8 minutes on one H100/H200):
 #   1. every test marked `gpu` (correctness of the kernels, natively on CUDA), and
 #   2. the attention kernel benchmark (TFLOP/s vs SDPA and flash-attn),
+#   3. the end-to-end LoRA training step against transformers + peft (bench_train.py, Llama-3.2-1B shape).
+# Usage: benchmarks/gpu_check.sh OUT_DIR   (PYTHON=... selects the interpreter)
+# Writes OUT_DIR/pytest_gpu.log, OUT_DIR/bench_attention.log, OUT_DIR/attention.csv, OUT_DIR/bench_train.log
+# and OUT_DIR/train.csv.
+
 #   3. the LoRA kernel benchmark (fused vs unfused vs PEFT),
 #   4. the token augmentation kernel benchmark (GB/s vs copy bandwidth),
 #   5. the DPO step benchmark (packed vs padded pairs).
@@ -48,6 +53,14 @@ FTLIB_ATTN_AUTOTUNE=0 timeout 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider 
 echo "== benchmarks/bench_attention.py (limit 240 s)"
 PYTHONUNBUFFERED=1 timeout 240 "$PY" benchmarks/bench_attention.py --out "$OUT/attention.csv" --budget-s 190 \
     2>&1 | tee "$OUT/bench_attention.log" || status=1
+
+# ---- end-to-end LoRA step (benchmarks/bench_train.py): Llama-3.2-1B shape, bf16, random weights ----
+# ftlib vs transformers+peft (length-grouped and plain dynamic padding), real tokens/s, MFU against the
+# device's bf16 peak, peak memory, held-out loss; rows in OUT_DIR/train.csv. Stops starting runs after 90 s.
+echo "== benchmarks/bench_train.py --device cuda --gpu-1b (limit 150 s)"
+PYTHONUNBUFFERED=1 FTLIB_ATTN_AUTOTUNE=0 timeout 150 "$PY" benchmarks/bench_train.py --device cuda --gpu-1b \
+    --variants ftlib,hf-group,hf-pad --rounds 1 --docs 1200 --tokens 98304 --budget-s 90 --out "$OUT" \
+    2>&1 | tee "$OUT/bench_train.log" || status=1
 
 # LoRA benchmark: fused vs unfused vs PEFT, priority cases first; stops starting new cases after 65 s.
 echo "== benchmarks/bench_lora.py --kernels (limit 90 s)"

@@ -11,16 +11,26 @@ gradient accumulation exact: divide by the token count of the whole accumulation
 (``ftlib.optim`` does this), never per micro-batch.
 
 Chunked variant: with vocabulary V = 128k and 8k tokens, fp32 logits alone take 4 GiB. The
-chunked loss computes logits for ``chunk_size`` target tokens at a time, keeps only the
-log-sum-exp per token (N floats) for backward, and recomputes each chunk's logits in backward::
+chunked loss computes logits for ``chunk_size`` target tokens at a time and, when a backward
+will follow, turns each chunk's logits into its gradient on the spot (the loss is the last
+op of the graph, so its upstream gradient is a scalar g known to scale linearly)::
 
     loss_i   = lse_i - z_i[y_i],          z_i = W h_i,  lse_i = log sum_v exp(z_iv)
     dL/dz_i  = g * (softmax(z_i) - onehot(y_i))
     dL/dh_i  = dL/dz_i @ W,               dL/dW = sum_i dL/dz_i^T h_i
 
-Tokens without a label are dropped before any matmul. Peak extra memory is one
-[chunk_size, V] fp32 block. The same recompute idea as Liger-Kernel's fused linear
-cross-entropy (Hsu et al. 2024, "Liger Kernel: Efficient Triton Kernels for LLM Training").
+Forward keeps dL/dh (N x H) and, for a trainable head, dL/dW (V x H, fp32) at g = 1;
+backward only multiplies them by g. So the head's matmul runs once (no recompute in backward:
+the same matmul count as plain cross-entropy on full logits) and nothing [N, V] is ever kept.
+Within a chunk every step is in place (shift, exp, normalise, subtract the one-hot) on one
+[chunk_size, V] fp32 block, freed before the next chunk: peak extra memory is one such block
+(1.5 under bf16 autocast, where the matmul output and its fp32 copy briefly coexist), measured
+in ``tests/test_losses.py``. ``chunk_size=None`` (default) picks the rows from the vocabulary so
+that the block is about 64 MiB (2048 rows at V = 8192, i.e. one chunk per 2k-token micro-batch:
+plain cross-entropy with a fused gradient; 128 rows at V = 128k). Without a backward (eval,
+``torch.no_grad()``) no gradient is computed. Tokens without a label are dropped before any
+matmul. The same idea as Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024, "Liger
+Kernel: Efficient Triton Kernels for LLM Training"), which also computes the gradient in forward.
 """
 
 from __future__ import annotations
@@ -28,7 +38,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "cross_entropy_sum", "chunked_cross_entropy", "count_target_tokens", "bradley_terry_loss"]
+__all__ = ["IGNORE_INDEX", "auto_chunk_size", "cross_entropy_sum", "chunked_cross_entropy", "count_target_tokens",
+           "bradley_terry_loss"]
 
 IGNORE_INDEX = -100
 
@@ -64,60 +75,74 @@ def cross_entropy_sum(
     return loss, (y != ignore_index).sum()
 
 
+_BLOCK_BYTES = 64 << 20  # the [chunk, V] fp32 block chunk_size=None aims at
+
+
+def auto_chunk_size(vocab: int) -> int:
+    """Rows per chunk for a ~64 MiB [rows, V] fp32 block: a power of two in [128, 8192]."""
+    rows = max(1, _BLOCK_BYTES // (4 * max(1, vocab)))
+    return int(min(8192, max(128, 1 << (rows.bit_length() - 1))))
+
+
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, y, chunk_size, dtype):
-        # h (N, H) target tokens only, weight (V, H), y (N,); matmuls in `dtype`
-        acc = torch.promote_types(dtype, torch.float32)  # softmax in fp32 (fp64 stays fp64)
-        lse = torch.empty(h.shape[0], dtype=acc, device=h.device)
+    def forward(ctx, h, weight, y, chunk_size, dtype, need_h, need_w):
+        # h (N, H) target tokens only, weight (V, H), y (N,); matmuls in `dtype`, softmax in fp32 (fp64 stays)
+        acc = torch.promote_types(dtype, torch.float32)
+        n = h.shape[0]
         total = torch.zeros((), dtype=acc, device=h.device)
-        # autocast off: backward recomputes the logits in the inputs' dtype, forward must match
+        grad_h = torch.empty_like(h) if need_h else None
+        # (V, H) accumulator in fp32: summing many chunks in bf16 would lose the small updates
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        # autocast off: the matmuls run in `dtype` explicitly (autocast's dtype when it was on)
         with torch.autocast(device_type=h.device.type, enabled=False):
-            w_t = weight.to(dtype).t()  # (H, V): converted once, not per chunk (a [V, H] copy each)
-            for s in range(0, h.shape[0], chunk_size):
-                z = (h[s : s + chunk_size].to(dtype) @ w_t).to(acc)  # (C, V)
-                lse_c = torch.logsumexp(z, dim=-1)
-                lse[s : s + chunk_size] = lse_c
-                total += (lse_c - z.gather(1, y[s : s + chunk_size, None]).squeeze(1)).sum()
-        ctx.save_for_backward(h, weight, y, lse)
-        ctx.chunk_size, ctx.dtype = chunk_size, dtype
+            w = weight.to(dtype)  # (V, H): converted once, not per chunk (a [V, H] copy each)
+            for s in range(0, n, chunk_size):
+                hc = h[s : s + chunk_size].to(dtype)  # (C, H)
+                yc = y[s : s + chunk_size, None]  # (C, 1)
+                z = hc @ w.t()  # (C, V) in `dtype`
+                if z.dtype != acc:
+                    z = z.to(acc)  # the `dtype` block is freed here: 1.5 blocks at most
+                z_y = z.gather(1, yc)  # (C, 1) label logits, before z is overwritten
+                m = z.amax(dim=1, keepdim=True)
+                z.sub_(m).exp_()  # exp(z - max), in place
+                total_c = z.sum(dim=1, keepdim=True)  # (C, 1)
+                total += (m + total_c.log() - z_y).sum()  # sum of lse - z_y
+                if need_h or need_w:
+                    z.div_(total_c)  # softmax
+                    z.scatter_add_(1, yc, torch.full_like(z_y, -1.0))  # dL/dz = softmax - onehot(y), at g = 1
+                    if need_h:
+                        grad_h[s : s + chunk_size] = (z.to(dtype) @ w).to(h.dtype)
+                    if need_w:
+                        grad_w.addmm_(z.t(), hc.to(acc))  # (V, C) @ (C, H)
+                del z  # before the next chunk's block is allocated
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        h, weight, y, lse = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(h) if need_h else None
-        c, dtype = ctx.chunk_size, ctx.dtype
-        acc = lse.dtype
-        # (V, H) accumulator in fp32: summing many chunks in bf16 would lose the small updates
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        w = weight.to(dtype)
-        for s in range(0, h.shape[0], c):
-            hc = h[s : s + c].to(dtype)
-            z = (hc @ w.t()).to(acc)  # (C, V), recomputed
-            dz = torch.exp(z - lse[s : s + c, None])  # softmax
-            dz[torch.arange(hc.shape[0], device=dz.device), y[s : s + c]] -= 1.0
-            dz *= grad_out
-            if need_h:
-                grad_h[s : s + c] = (dz.to(dtype) @ w).to(h.dtype)
-            if need_w:
-                grad_w += dz.t() @ hc.to(acc)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None and ctx.needs_input_grad[0] else None
+        gw = (grad_w * grad_out.to(grad_w.dtype)).to(ctx.weight_dtype) if grad_w is not None and ctx.needs_input_grad[1] else None
+        return gh, gw, None, None, None, None, None
 
 
 def chunked_cross_entropy(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cross_entropy_sum(hidden @ lm_head_weight.T, labels)`` without [B, T, V] logits.
 
     hidden [B, T, H] (the final-norm output), lm_head_weight [V, H], labels [B, T] aligned with
     input_ids (same shift as :func:`cross_entropy_sum`). Matmuls run in the autocast dtype
-    when autocast is on (else the inputs' common dtype), softmax in fp32. Returns (loss_sum fp32 0-d, num_tokens int64 0-d).
+    when autocast is on (else the inputs' common dtype), softmax in fp32. ``chunk_size``: target
+    tokens per [chunk, V] block (None: :func:`auto_chunk_size` of V). When grad mode is on and an
+    input requires grad, the gradient is computed here and ``backward`` only scales it (see the
+    module docstring). Returns (loss_sum fp32 0-d, num_tokens int64 0-d).
     """
     if hidden.ndim != 3:
         raise ValueError(f"hidden must be [B, T, H], got shape {tuple(hidden.shape)}")
@@ -126,6 +151,8 @@ def chunked_cross_entropy(
             f"lm_head_weight must be [V, {hidden.shape[2]}] for hidden size {hidden.shape[2]}, "
             f"got {tuple(lm_head_weight.shape)}"
         )
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(lm_head_weight.shape[0])
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     _check_labels(labels, hidden.shape[:2], "hidden")
@@ -140,7 +167,9 @@ def chunked_cross_entropy(
     y = y.index_select(0, keep)
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= lm_head_weight.shape[0]):
         raise ValueError(f"labels must be in [0, {lm_head_weight.shape[0]}) or {ignore_index}")
-    loss = _ChunkedCE.apply(h, lm_head_weight, y, int(chunk_size), dtype)
+    grads = torch.is_grad_enabled()
+    need_h, need_w = grads and hidden.requires_grad, grads and lm_head_weight.requires_grad
+    loss = _ChunkedCE.apply(h, lm_head_weight, y, int(chunk_size), dtype, need_h, need_w)
     return loss, keep.new_tensor(keep.numel())
 
 

@@ -2,9 +2,10 @@
 
 ``attention(q, k, v, *, causal, cu_seqlens, max_seqlen, softmax_scale)`` is the
 one attention entry point the model calls; see ``dispatch.py`` for how a
-backend is chosen (``FTLIB_ATTN_BACKEND=auto|flash|triton|torch``). The fused
+backend is chosen (``FTLIB_ATTN_BACKEND=auto|flash|triton|sdpa|torch``). The fused
 Triton kernel lives in ``ftlib.kernels.attention_triton`` (it imports Triton, so
-``import ftlib`` does not).
+``import ftlib`` does not); ``attention_sdpa`` (PyTorch's fused SDPA kernels, per
+document for packed batches) is the CPU path; ``attention_ref`` the float64 oracle.
 
 ``lora_matmul(x, weight, lora_A, lora_B, scaling, ...)`` is a LoRA / DoRA linear layer (dense
 or NF4 base, dropout) in one op, ``lora_matmul_ref`` its reference; the backend follows
@@ -13,8 +14,10 @@ or NF4 base, dropout) in one op, ``lora_matmul_ref`` its reference; the backend 
 """
 
 from .attention_ref import attention_ref
+from .attention_sdpa import attention_sdpa
 from .dispatch import attention, attention_backend
 from .lora_matmul import lora_backend, lora_matmul
 from .lora_ref import lora_matmul_ref
 
-__all__ = ["attention", "attention_backend", "attention_ref", "lora_backend", "lora_matmul", "lora_matmul_ref"]
+__all__ = ["attention", "attention_backend", "attention_ref", "attention_sdpa", "lora_backend", "lora_matmul",
+           "lora_matmul_ref"]

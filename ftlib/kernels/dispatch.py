@@ -6,16 +6,19 @@
    CUDA, the dtype is float16/bfloat16 and the head dim is <= 256;
 2. the Triton kernel (``attention_triton``) on CUDA otherwise (float16/bfloat16/float32, head
    dim <= 256);
-3. the PyTorch reference (``attention_ref``) elsewhere: CPU, float64, larger head dims.
+3. PyTorch's fused SDPA kernels (``attention_sdpa``) elsewhere: CPU (every dtype), and on CUDA
+   float64 or head dims > 256.
 
-``FTLIB_ATTN_BACKEND=flash|triton|torch`` forces one; forcing a backend that is not installed,
-cannot run on q's device, or does not support the call's dtype / head dim raises instead of
-silently falling back. The Triton backend runs on CPU tensors only under ``TRITON_INTERPRET=1``
-(the test setup).
+``FTLIB_ATTN_BACKEND=flash|triton|sdpa|torch`` forces one (``torch`` is the reference
+``attention_ref``, which materialises every score: the test oracle, slow); forcing a backend
+that is not installed, cannot run on q's device, or does not support the call's dtype / head
+dim raises instead of silently falling back. The Triton backend runs on CPU tensors only under
+``TRITON_INTERPRET=1`` (the test setup).
 
-Calls with a ``key_padding_mask`` (padded batches, KV-cache decoding) always go to the
-reference: neither kernel takes a dense padding mask, and packed batches use ``cu_seqlens``
-instead. A forced backend must still be available, so a misconfiguration is caught early.
+Calls with a ``key_padding_mask`` (padded batches with holes, KV-cache decoding) go to SDPA
+(or to the reference when ``torch`` is forced): neither fused kernel takes a dense padding mask,
+and packed batches use ``cu_seqlens`` instead. A forced backend must still be available, so a
+misconfiguration is caught early.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import os
 import torch
 
 from .attention_ref import attention_ref
+from .attention_sdpa import attention_sdpa
 
 __all__ = ["attention", "attention_backend"]
 
-_BACKENDS = ("auto", "flash", "triton", "torch")
+_BACKENDS = ("auto", "flash", "triton", "sdpa", "torch")
 _MAX_HEAD_DIM = 256
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -71,24 +75,26 @@ def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, head_dim: int, mask
         raise RuntimeError("FTLIB_ATTN_BACKEND=triton but triton is not installed (pip install triton)")
     if want in ("flash", "triton") and not (is_cuda or (want == "triton" and interpret)):
         raise RuntimeError(f"FTLIB_ATTN_BACKEND={want}: {_unsupported(want, is_cuda, dtype, head_dim, interpret)}")
-    if masked or want == "torch":
-        return "torch"
+    if want in ("torch", "sdpa"):
+        return want
+    if masked:
+        return "sdpa"
     if want != "auto":
         why = _unsupported(want, is_cuda, dtype, head_dim, interpret)
         if why is not None:
             raise RuntimeError(f"FTLIB_ATTN_BACKEND={want} cannot run this call: {why}")
         return want
     if not is_cuda:
-        return "torch"
+        return "sdpa"
     if have_flash and _unsupported("flash", is_cuda, dtype, head_dim, interpret) is None:
         return "flash"
     if have_triton and _unsupported("triton", is_cuda, dtype, head_dim, interpret) is None:
         return "triton"
-    return "torch"
+    return "sdpa"
 
 
 def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> str:
-    """Name of the backend (``flash``, ``triton`` or ``torch``) ``attention`` uses for this call."""
+    """Name of the backend (``flash``, ``triton``, ``sdpa`` or ``torch``) ``attention`` uses for this call."""
     return _choose(
         os.environ.get("FTLIB_ATTN_BACKEND", "auto").strip().lower(),
         is_cuda=q.is_cuda, dtype=q.dtype, head_dim=q.shape[-1], masked=key_padding_mask is not None,
@@ -129,6 +135,11 @@ def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax
 
         return attention_triton(
             q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
+        )
+    if backend == "sdpa":
+        return attention_sdpa(
+            q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+            softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
         )
     return attention_ref(
         q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,

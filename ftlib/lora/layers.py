@@ -1,6 +1,7 @@
 """``LoRALinear``: a frozen linear layer plus a trainable low-rank (LoRA / rsLoRA / DoRA) update.
 
     LoRA  (Hu et al., arXiv:2106.09685):     y = W x + b + s B A drop(x)
+                                              (drop(x): ``ftlib.lora.dropout``, a 1-byte mask)
     DoRA  (Liu et al., arXiv:2402.09353):    y = b + (m / n) (W + s B A) x,
           n = ||W + s B A||_row detached (paper section 4.3); with dropout in training
           y = W x + b + (m / n - 1) W drop(x) + (m / n) s B A drop(x)  (PEFT's form)
@@ -32,6 +33,7 @@ from torch import nn
 
 from ._fused import fused_forward
 from .dora import dora_row_norm, row_sq_norm
+from .dropout import dropout_mask, masked_linear
 from .nf4 import NF4Linear
 
 __all__ = ["LoRALinear"]
@@ -143,15 +145,38 @@ class LoRALinear(nn.Module):
         result = self.base_layer(x)  # (..., out), includes the bias
         if self.disabled or self.merged:
             return result
+        return self.add_adapter(x, result)
+
+    def add_adapter(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        """``result`` plus this adapter's update for input x, where ``result = base_layer(x)``.
+
+        ``result`` may be updated in place (its buffer becomes the output). Split from
+        :meth:`forward` so a caller that computes the base output some other way (one GEMM for
+        several projections of the same input, a fused kernel) can add the adapter to it.
+        """
+        if self.disabled or self.merged:
+            return result
         out_dtype = result.dtype
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.lora_A.weight.dtype)
-        h = self.lora_dropout(x)
-        lora = self.lora_B(self.lora_A(h))  # (..., out), unscaled
+        drop = self.lora_dropout
+        p = drop.p if type(drop) is nn.Dropout and drop.training else 0.0
+        custom = not isinstance(drop, (nn.Dropout, nn.Identity))  # a user's own module: call it as is
         if not self.use_dora:
+            if p > 0.0:  # A drop(x) from a 1-byte mask (ftlib.lora.dropout): no dropped copy of x is kept
+                lora = self.lora_B(masked_linear(x, self.lora_A.weight, p))
+            else:
+                lora = self.lora_B(self.lora_A(drop(x) if custom else x))
+            if result.dtype == lora.dtype:  # in place: nothing saves the base output (no [.., out] copy)
+                return result.add_(lora, alpha=self.scaling)
             return torch.add(result, lora, alpha=self.scaling).to(out_dtype)
+        h = drop(x) if custom else x
+        if p > 0.0:
+            mask, scale = dropout_mask(x, p)
+            h = torch.where(mask, x, 0.0) * scale
+        lora = self.lora_B(self.lora_A(h))  # (..., out), unscaled
         mag_scale = self.lora_magnitude_vector / self.weight_norm()  # (out,), grad flows to m only
-        if isinstance(self.lora_dropout, nn.Identity) or not self.training:
+        if h is x:
             base_nobias = result if self.base_layer.bias is None else result - self.base_layer.bias
         else:
             base_nobias = self._base_matmul(h)  # W drop(x): the DoRA term sees the same dropped input

@@ -74,4 +74,4 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, T, H, D] by cos/sin [B, T, D] (broadcast over the heads)."""
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B, T, 1, D)
-    return x * cos + rotate_half(x) * sin
+    return torch.addcmul(x * cos, rotate_half(x), sin)  # one temporary fewer than x * cos + r * sin

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from ftlib.kernels import attention, attention_backend, attention_ref
+from ftlib.kernels import attention, attention_backend, attention_ref, attention_sdpa
 from ftlib.kernels.dispatch import _choose
 
 HAVE_FLASH = importlib.util.find_spec("flash_attn") is not None
@@ -26,12 +26,13 @@ def _choice(want="auto", *, is_cuda=True, dtype=torch.bfloat16, head_dim=128, ma
         (dict(dtype=torch.float16, head_dim=256), "flash"),
         (dict(have_flash=False), "triton"),
         (dict(dtype=torch.float32), "triton"),  # flash-attn has no fp32 kernel
-        (dict(head_dim=512), "torch"),
-        (dict(dtype=torch.float64), "torch"),
-        (dict(masked=True), "torch"),  # key_padding_mask: only the reference takes it
-        (dict(have_flash=False, have_triton=False), "torch"),
-        (dict(is_cuda=False), "torch"),
-        (dict(is_cuda=False, interpret=True), "torch"),  # auto never picks the interpreter
+        (dict(head_dim=512), "sdpa"),
+        (dict(dtype=torch.float64), "sdpa"),
+        (dict(masked=True), "sdpa"),  # key_padding_mask: neither fused kernel takes it
+        (dict(have_flash=False, have_triton=False), "sdpa"),
+        (dict(is_cuda=False), "sdpa"),
+        (dict(is_cuda=False, dtype=torch.float64), "sdpa"),
+        (dict(is_cuda=False, interpret=True), "sdpa"),  # auto never picks the interpreter
     ],
 )
 def test_auto_decision_table(case, expected):
@@ -40,11 +41,15 @@ def test_auto_decision_table(case, expected):
 
 def test_forced_backends():
     assert _choice("torch", is_cuda=False, have_flash=False, have_triton=False) == "torch"
+    assert _choice("torch", masked=True) == "torch"  # the reference takes every call, masks too
+    assert _choice("sdpa", have_flash=True) == "sdpa"
+    assert _choice("sdpa", is_cuda=False, dtype=torch.float64, head_dim=512) == "sdpa"
     assert _choice("triton", have_flash=True) == "triton"
     assert _choice("flash", dtype=torch.float16) == "flash"
     assert _choice("triton", is_cuda=False, interpret=True, dtype=torch.float32) == "triton"
-    # A forced, available backend still sends key_padding_mask calls to the reference.
-    assert _choice("triton", masked=True) == "torch"
+    # A forced, available kernel still sends key_padding_mask calls to SDPA.
+    assert _choice("triton", masked=True) == "sdpa"
+    assert _choice("flash", masked=True) == "sdpa"
 
 
 @pytest.mark.parametrize(
@@ -74,9 +79,12 @@ def test_env_var_is_validated(monkeypatch):
     assert attention_backend(q) == "torch"
 
 
-def test_auto_on_cpu_is_the_reference(monkeypatch):
+def test_auto_on_cpu_is_sdpa_and_torch_is_the_reference(monkeypatch):
     monkeypatch.delenv("FTLIB_ATTN_BACKEND", raising=False)
     q = torch.randn(1, 5, 2, 8)
+    assert attention_backend(q) == "sdpa"
+    assert torch.equal(attention(q, q, q, causal=True), attention_sdpa(q, q, q, causal=True))
+    monkeypatch.setenv("FTLIB_ATTN_BACKEND", "torch")
     assert attention_backend(q) == "torch"
     assert torch.equal(attention(q, q, q, causal=True), attention_ref(q, q, q, causal=True))
 
@@ -94,10 +102,10 @@ def test_forced_triton_runs_the_kernel_on_cpu_under_the_interpreter(monkeypatch)
     out = attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=12)
     assert torch.equal(out, attention_triton(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=12))
     torch.testing.assert_close(out, attention_ref(q, k, v, causal=True, cu_seqlens=cu), atol=1e-5, rtol=1e-5)
-    # key_padding_mask goes to the reference even when triton is forced.
+    # key_padding_mask goes to SDPA even when triton is forced.
     qd = torch.randn(1, 6, 2, 8)
     mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
-    assert attention_backend(qd, mask) == "torch"
+    assert attention_backend(qd, mask) == "sdpa"
     torch.testing.assert_close(attention(qd, qd, qd, key_padding_mask=mask),
                                attention_ref(qd, qd, qd, key_padding_mask=mask))
 
@@ -117,7 +125,7 @@ def test_forced_flash_without_flash_attn_raises(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "flash", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "flash", "sdpa", "torch"])
 def test_gpu_every_backend_agrees(monkeypatch, backend):
     if backend == "flash" and not HAVE_FLASH:
         pytest.skip("flash_attn not installed")

@@ -264,3 +264,32 @@ def test_padded_batches_run_as_varlen_so_fused_kernels_apply(make_model, monkeyp
     calls.clear()
     model(torch.randint(0, 128, (1, 5)), attention_mask=mask)
     assert all(k.get("key_padding_mask") is not None for k in calls)
+
+
+def _rms_textbook(x, w, eps):
+    h = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+def test_rmsnorm_forward_and_gradients_equal_the_textbook_form(dtype, tol):
+    """The written-out RMSNorm backward equals autograd through y = w * (x * rsqrt(mean(x^2) + eps))
+    for the input and a trainable weight (float64: exact up to rounding; gradcheck too)."""
+    from ftlib.models import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(24, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(24, generator=g) + 0.5)
+    x = (torch.randn(3, 7, 24, generator=g) * 3).to(dtype).requires_grad_()
+    w = norm.weight.detach().clone().requires_grad_()
+    dy = torch.randn(3, 7, 24, generator=g).to(dtype)
+    y, want = norm(x), _rms_textbook(x, w, 1e-5)
+    assert y.dtype == want.dtype == dtype
+    torch.testing.assert_close(y, want, rtol=tol, atol=tol)
+    got = torch.autograd.grad(y, (x, norm.weight), dy)
+    ref = torch.autograd.grad(want, (x, w), dy)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * float(b.abs().max()))
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(norm, (x,))

@@ -1,0 +1,108 @@
+"""Dropout on an adapter's input, ``A drop(x)``, from a one-byte mask and a fast CPU generator.
+
+    drop(x) = x * m / (1 - p),    m_ij ~ Bernoulli(1 - p), independent per element and per module
+
+the law of PEFT's ``nn.Dropout`` on each adapter's input (LoRA, Hu et al. arXiv:2106.09685;
+dropout, Srivastava et al. 2014). Each ``LoRALinear`` draws its own mask, also when several
+projections read the same x (q/k/v, gate/up), as PEFT's independent modules do.
+
+What the textbook form (``nn.Dropout`` then ``nn.Linear``) costs, and what is done instead:
+
+1. Memory. Autograd keeps the dropped copy of x (for dA) and the mask: 5 bytes per element of x
+   per adapted projection in fp32. :func:`masked_linear` keeps x itself (one tensor, shared by
+   the projections that read it; nothing else keeps a normalised input) and a 1-byte mask per
+   projection, and recomputes ``x * m`` in backward: for q/k/v, 7 bytes per element instead of 15.
+   The ``1 / (1 - p)`` scale is applied to the [.., r] output, not to x.
+2. Time on CPU. torch's CPU generator fills a Bernoulli mask at 6-9 ns per element
+   (``bernoulli_`` on 2048 x 1408 fp32: 18-26 ms of CPU time on one core, measured); numpy's
+   PCG64 gives 16 random bits per element at under 1 ns (``random_raw``: 2.2 ms for that mask). The numpy generator is seeded from one draw of
+   torch's default generator per mask, so ``torch.manual_seed`` still fixes every mask and a
+   saved torch RNG state resumes them. On CUDA torch's own (Philox) generator is used.
+
+Exactness on CPU: an element is kept when its 16 random bits are >= round(p * 2^16), so the drop
+probability is p rounded to a multiple of 2^-16 (within 7.7e-6 of p; exact when p * 2^16 is an
+integer) and the scale is 1 / (1 - that probability), so E[drop(x)] = x exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["dropout_mask", "kept_fraction", "masked_linear"]
+
+_BITS = 16
+
+
+def _threshold(p: float) -> int:
+    return int(round(p * (1 << _BITS)))
+
+
+def kept_fraction(p: float, device_type: str = "cpu") -> float:
+    """1 - (the drop probability the mask realises): the dropout scale is its inverse."""
+    return 1.0 - (_threshold(p) / (1 << _BITS) if device_type == "cpu" else p)
+
+
+@torch.library.custom_op("ftlib::cpu_dropout_mask", mutates_args=())
+def _cpu_mask(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    # an opaque op, so torch.compile neither traces numpy nor breaks the graph on the seed
+    n = x.numel()
+    words = np.random.PCG64(int(seed)).random_raw(-(-n // 4))  # 64 random bits = four 16-bit draws
+    return torch.from_numpy(words.view(np.uint16)[:n] >= _threshold(p)).view(x.shape)
+
+
+@_cpu_mask.register_fake
+def _(x, p, seed):
+    return torch.empty(x.shape, dtype=torch.bool, device=x.device)
+
+
+def dropout_mask(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
+    """(keep mask bool shaped like x, scale 1 / P(keep)) for dropout probability p in (0, 1)."""
+    if x.device.type == "cpu":
+        seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # one draw of torch's generator per mask
+        # x.detach(): the op reads only x's shape, and an input that requires grad would give it an autograd node
+        return _cpu_mask(x.detach(), float(p), seed), 1.0 / kept_fraction(p, "cpu")
+    return torch.rand(x.shape, device=x.device) >= p, 1.0 / kept_fraction(p, x.device.type)
+
+
+def _apply(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x where kept, 0 where dropped. (``x * mask`` with a bool mask takes a slow mixed-dtype path on
+    CPU: 21 ms of CPU time for 2048 x 1408 fp32 on one core, against 3.5 ms for ``where``, measured.)"""
+    return torch.where(mask, x, 0.0)
+
+
+class _MaskedLinear(torch.autograd.Function):
+    """u = F.linear(x * m, A) * c in ``dtype``; saves x and m, not the dropped copy of x."""
+
+    @staticmethod
+    def forward(ctx, x, mask, weight, scale, dtype):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            u = F.linear(_apply(x, mask).to(dtype), weight.to(dtype)) * scale
+        ctx.save_for_backward(x, mask, weight)
+        ctx.scale, ctx.dtype = scale, dtype
+        return u
+
+    @staticmethod
+    def backward(ctx, du):
+        x, mask, weight = ctx.saved_tensors
+        dtype = ctx.dtype
+        du = (du * ctx.scale).to(dtype)  # (.., r)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _apply(du @ weight.to(dtype), mask).to(x.dtype)
+        if ctx.needs_input_grad[2]:
+            xm = _apply(x, mask).to(dtype).reshape(-1, x.shape[-1])  # recomputed: (tokens, in)
+            dw = (du.reshape(-1, du.shape[-1]).t() @ xm).to(weight.dtype)
+        return dx, None, dw, None, None
+
+
+def masked_linear(x: torch.Tensor, weight: torch.Tensor, p: float) -> torch.Tensor:
+    """``F.linear(drop(x), weight)`` with a fresh mask (see the module docstring); x (.., in) -> (.., r).
+
+    The matmul runs in the autocast dtype when autocast is on (as ``nn.Linear`` would), else
+    in x's dtype; weight gradients come back in the weight's dtype.
+    """
+    mask, scale = dropout_mask(x, p)
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    return _MaskedLinear.apply(x, mask, weight, scale, dtype)

@@ -1,0 +1,141 @@
+"""Adapter-input dropout: the law of the mask, its seeding, exact gradients and what backward keeps."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ftlib.lora.layers as layers_mod
+from ftlib.lora import LoRALinear
+from ftlib.lora.dropout import dropout_mask, kept_fraction, masked_linear
+
+
+@pytest.mark.parametrize("p", [0.05, 0.1, 0.5])
+def test_mask_law_independence_and_exact_expectation(p):
+    """Invariant: each element is kept with probability kept_fraction(p) (p within 2^-17 of the
+    request), independently of its neighbours and of another module's mask on the same input, and
+    the scale makes E[drop(x)] = x exactly."""
+    torch.manual_seed(0)
+    x = torch.ones(1024, 1024)
+    m1, scale = dropout_mask(x, p)
+    m2, _ = dropout_mask(x, p)
+    n = m1.numel()
+    q = kept_fraction(p)
+    assert abs((1 - q) - p) <= 2.0**-17 and scale == 1.0 / q
+    sd = math.sqrt(q * (1 - q) / n)
+    for m in (m1, m2):
+        assert m.dtype == torch.bool and m.shape == x.shape
+        assert abs(m.float().mean().item() - q) < 5 * sd
+    both = (m1 & m2).float().mean().item()  # independent masks: P(both kept) = q^2
+    assert abs(both - q * q) < 5 * math.sqrt(q * q * (1 - q * q) / n)
+    nxt = (m1[:, 1:] & m1[:, :-1]).float().mean().item()  # neighbours independent too
+    assert abs(nxt - q * q) < 5 * math.sqrt(q * q * (1 - q * q) / n)
+    assert not torch.equal(m1, m2)
+
+
+def test_masks_follow_torch_seed_and_rng_state():
+    x = torch.zeros(64, 33)
+    torch.manual_seed(7)
+    a = [dropout_mask(x, 0.1)[0] for _ in range(3)]
+    torch.manual_seed(7)
+    b = [dropout_mask(x, 0.1)[0] for _ in range(3)]
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    torch.manual_seed(8)
+    assert not torch.equal(dropout_mask(x, 0.1)[0], a[0])
+    torch.manual_seed(7)
+    dropout_mask(x, 0.1)
+    state = torch.get_rng_state()  # a checkpoint after the first mask
+    after = dropout_mask(x, 0.1)[0]
+    torch.set_rng_state(state)
+    assert torch.equal(dropout_mask(x, 0.1)[0], after) and torch.equal(after, a[1])
+
+
+def test_masked_linear_equals_explicit_dropout_float64(monkeypatch):
+    """Forward and both gradients equal F.linear(x * m * scale, A) with the same mask."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(4, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(3, 7, 10, generator=g) > 0.3
+    monkeypatch.setattr("ftlib.lora.dropout.dropout_mask", lambda t, p: (mask, 1 / 0.7))
+    u = masked_linear(x, a, 0.3)
+    want = F.linear(x * mask / 0.7, a)
+    torch.testing.assert_close(u, want, rtol=1e-12, atol=1e-12)
+    gu = torch.randn(u.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(u, (x, a), gu)
+    ref = torch.autograd.grad(want, (x, a), gu)
+    for t, r in zip(got, ref):
+        torch.testing.assert_close(t, r, rtol=1e-12, atol=1e-12)
+
+
+def test_masked_linear_under_bf16_autocast_matches_nn_linear(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 16, generator=g, requires_grad=True)
+    lin = nn.Linear(16, 4, bias=False)
+    mask = torch.rand(5, 16, generator=g) > 0.1
+    monkeypatch.setattr("ftlib.lora.dropout.dropout_mask", lambda t, p: (mask, 1 / 0.9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        u = masked_linear(x, lin.weight, 0.1)
+        want = lin(x * mask / 0.9)
+    assert u.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(u, want, rtol=1e-2, atol=1e-2)
+    got = torch.autograd.grad(u.float().sum(), (x, lin.weight))
+    ref = torch.autograd.grad(want.float().sum(), (x, lin.weight))
+    assert got[1].dtype == torch.float32
+    for t, r in zip(got, ref):
+        torch.testing.assert_close(t, r, rtol=1e-2, atol=1e-2)
+
+
+def test_lora_layer_dropout_train_and_eval(monkeypatch):
+    """Training applies drop(x) to the adapter input only; eval and p = 0 use x itself."""
+    torch.manual_seed(0)
+    base = nn.Linear(12, 6)
+    layer = LoRALinear(base, 3, 6, dropout=0.25)
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+    x = torch.randn(4, 12, dtype=torch.float32)
+    mask = torch.rand(4, 12) > 0.25
+    monkeypatch.setattr("ftlib.lora.dropout.dropout_mask", lambda t, p: (mask, 1 / 0.75))
+    want = base(x) + layer.scaling * layer.lora_B(layer.lora_A(x * mask / 0.75))
+    torch.testing.assert_close(layer.train()(x), want, rtol=1e-5, atol=1e-6)
+    clean = base(x) + layer.scaling * layer.lora_B(layer.lora_A(x))
+    torch.testing.assert_close(layer.eval()(x), clean, rtol=1e-5, atol=1e-6)
+
+
+def test_dora_with_fast_dropout_matches_peft_form(monkeypatch):
+    torch.manual_seed(0)
+    base = nn.Linear(9, 5)
+    layer = LoRALinear(base, 2, 4, dropout=0.5, use_dora=True).train()
+    with torch.no_grad():
+        layer.lora_B.weight.normal_(0, 0.3)
+        layer.lora_magnitude_vector.mul_(1.1)
+    x = torch.randn(3, 9)
+    mask = torch.rand(3, 9) > 0.5
+    monkeypatch.setattr(layers_mod, "dropout_mask", lambda t, p: (mask, 2.0))
+    w, A, B, m, s = (base.weight.double(), layer.lora_A.weight.double(), layer.lora_B.weight.double(),
+                     layer.lora_magnitude_vector.double(), layer.scaling)
+    n = torch.linalg.vector_norm(w + s * B @ A, dim=1)
+    h = x.double() * mask * 2.0
+    want = x.double() @ w.t() + base.bias.double() + (m / n - 1) * (h @ w.t()) + (m / n) * s * (h @ A.t() @ B.t())
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_backward_keeps_x_once_and_one_byte_masks():
+    """Three adapters on one input (q/k/v): autograd keeps x once plus three bool masks, never a
+    dropped float copy of x (which nn.Dropout + nn.Linear keep per projection)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, requires_grad=True)
+    layers = [LoRALinear(nn.Linear(32, 32), 4, 8, dropout=0.1).train() for _ in range(3)]
+    for layer in layers:
+        nn.init.normal_(layer.lora_B.weight)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        h = x * 1.0  # the shared (normalised) input
+        out = sum(layer(h).sum() for layer in layers)
+    big = [t for t in saved if t.shape == x.shape]
+    floats = {t.untyped_storage().data_ptr() for t in big if t.dtype.is_floating_point}
+    masks = [t for t in big if t.dtype == torch.bool]
+    assert len(floats) == 1 and len(masks) == 3, [(t.dtype, t.untyped_storage().data_ptr()) for t in big]
+    out.backward()
+    assert all(layer.lora_A.weight.grad.abs().sum() > 0 for layer in layers)
