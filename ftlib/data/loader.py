@@ -216,8 +216,13 @@ class TokenLoader:
         kw = {}
         if self.num_workers > 0:
             kw = {"prefetch_factor": self.prefetch_factor, "multiprocessing_context": self.multiprocessing_context}
+        # A generator of its own: DataLoader otherwise draws its workers' base seed from the global torch
+        # RNG, so starting an iteration (again, on resume) would shift every later dropout mask.
+        gen = torch.Generator().manual_seed(int(np.random.SeedSequence([self.seed, self.epoch, self.step])
+                                                .generate_state(1, np.uint64)[0] >> 1))
         dl = torch.utils.data.DataLoader(ds, batch_size=None, sampler=range(self.step, len(steps)),
-                                         num_workers=self.num_workers, pin_memory=self.pin_memory, **kw)
+                                         num_workers=self.num_workers, pin_memory=self.pin_memory, generator=gen,
+                                         **kw)
         for batch in dl:
             self.step += 1  # counted before the user sees it: a checkpoint in the loop body resumes after it
             yield batch

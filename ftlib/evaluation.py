@@ -1,0 +1,166 @@
+"""Evaluation: held-out loss and perplexity over a (packed) loader; exact match through generation.
+
+Loss. The token-weighted mean over every target token of the held-out set (labels != -100 under
+the loss's shift) on every rank, the normalisation training uses (``ftlib.optim``), not a mean
+of per-batch means:
+
+    loss = (1 / N) * sum_t -log p(y_t | y_<t),      perplexity = exp(loss)
+
+Packed batches carry ``cu_seqlens``, so no token attends across documents and each document's
+loss is what it would be alone (up to float rounding). For a loss over exactly the whole set,
+build the loader with ``shuffle=False, drop_last=False``. Runs in eval mode (no dropout) under
+``torch.no_grad()`` and puts the model back in the mode it was in.
+
+Exact match. Each prompt is decoded greedily by ``ftlib.models.generate`` (left-padded batches;
+positions count real tokens, so padding does not change the result) up to ``max_new_tokens`` or
+a stop token; the prediction is the text before the first stop token, and it is correct when
+``normalize(prediction) == normalize(reference)`` (default: whitespace runs collapsed, ends
+stripped).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .losses import chunked_cross_entropy
+
+__all__ = ["EvalResult", "ExactMatch", "causal_lm_loss", "evaluate", "exact_match"]
+
+BATCH_KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # DESIGN.md batch contract
+
+
+def causal_lm_loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed token loss, target tokens) of an ftlib causal LM on a batch, without [B, T, V] logits."""
+    hidden = model.model(batch["input_ids"], **{k: batch[k] for k in BATCH_KEYS if k in batch})
+    return chunked_cross_entropy(hidden, model.lm_head.weight, batch["labels"])
+
+
+@dataclass
+class EvalResult:
+    """Held-out loss (mean over target tokens), its perplexity, and what it was measured on."""
+
+    loss: float
+    perplexity: float
+    tokens: int
+    batches: int
+
+    def to_dict(self, prefix: str = "eval_") -> dict[str, float]:
+        return {f"{prefix}loss": self.loss, f"{prefix}ppl": self.perplexity, f"{prefix}tokens": self.tokens}
+
+
+def _param_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = None,
+             loss_fn: Callable[[nn.Module, dict], tuple[torch.Tensor, torch.Tensor]] | None = None,
+             autocast: Callable[[], object] | None = None, max_batches: int | None = None) -> EvalResult:
+    """Held-out loss and perplexity of ``model`` over ``loader`` (an iterable of batches).
+
+    ``loss_fn(model, batch) -> (loss_sum, n_tokens)`` defaults to :func:`causal_lm_loss`;
+    ``autocast`` is a context factory (e.g. ``TrainOptimizer.autocast``); ``max_batches`` stops
+    early. Sums are all-reduced over ranks when torch.distributed is initialised (every rank must
+    call it). Raises ValueError when the data holds no target token.
+    """
+    loss_fn = loss_fn or causal_lm_loss
+    device = torch.device(device) if device is not None else _param_device(model)
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss_sum, tokens]
+    batches = 0
+    try:
+        for batch in loader:
+            if max_batches is not None and batches >= max_batches:
+                break
+            batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+            with autocast() if autocast is not None else nullcontext():
+                loss_sum, n = loss_fn(model, batch)
+            total += torch.stack([loss_sum.detach().double(), torch.as_tensor(n, device=device).double()])
+            batches += 1
+    finally:
+        model.train(was_training)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    loss_sum, tokens = total.tolist()
+    if tokens == 0:
+        raise ValueError("evaluate: the evaluation data holds no target token (labels are all -100)")
+    loss = loss_sum / tokens
+    return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=int(tokens), batches=batches)
+
+
+def _normalize(s: str) -> str:
+    return " ".join(s.split())
+
+
+@dataclass
+class ExactMatch:
+    """Accuracy of greedy answers against references, with every prediction kept."""
+
+    accuracy: float
+    correct: int
+    total: int
+    predictions: list[str] = field(repr=False)
+    references: list[str] = field(repr=False)
+    hits: list[bool] = field(repr=False)
+
+
+@torch.no_grad()
+def exact_match(model: nn.Module, tokenizer, prompts: Sequence[str], references: Sequence[str], *,
+                max_new_tokens: int = 32, batch_size: int = 32, stop_tokens: Sequence[int] | None = None,
+                normalize: Callable[[str], str] = _normalize, device: torch.device | str | None = None,
+                add_special_tokens: bool = False) -> ExactMatch:
+    """Greedy-decode each prompt (text, e.g. a rendered chat prompt) and compare with its reference.
+
+    ``tokenizer`` is an ``ftlib.models.PretrainedTokenizer``; ``stop_tokens`` default to its EOS.
+    Prompts are batched by length (``batch_size`` per batch); results keep the input order.
+    """
+    from .models.generate import generate
+
+    if len(prompts) != len(references):
+        raise ValueError(f"exact_match: {len(prompts)} prompts but {len(references)} references")
+    if not prompts:
+        raise ValueError("exact_match: no prompts")
+    if stop_tokens is None:
+        stop_tokens = [t for t in (tokenizer.eos_token_id,) if t is not None]
+    stops = set(stop_tokens)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    device = torch.device(device) if device is not None else _param_device(model)
+    encoded = [tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"exact_match: prompt {i} encodes to no tokens")
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    preds: list[str] = [""] * len(encoded)
+    was_training = model.training
+    model.eval()
+    try:
+        for s in range(0, len(order), batch_size):
+            idx = order[s : s + batch_size]
+            width = max(len(encoded[i]) for i in idx)
+            ids = torch.full((len(idx), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.bool)
+            for row, i in enumerate(idx):  # left padding: the answer starts right after each prompt
+                ids[row, width - len(encoded[i]):] = torch.tensor(encoded[i])
+                mask[row, width - len(encoded[i]):] = True
+            new = generate(model, ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                           stop_tokens=list(stops), pad_token_id=pad)
+            for row, i in enumerate(idx):
+                toks = new[row].tolist()
+                cut = next((j for j, t in enumerate(toks) if t in stops), len(toks))
+                preds[i] = tokenizer.decode(toks[:cut])
+    finally:
+        model.train(was_training)
+    hits = [normalize(p) == normalize(r) for p, r in zip(preds, references)]
+    correct = sum(hits)
+    return ExactMatch(accuracy=correct / len(hits), correct=correct, total=len(hits), predictions=preds,
+                      references=list(references), hits=hits)

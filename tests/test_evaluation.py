@@ -1,0 +1,96 @@
+"""ftlib.evaluation: packed held-out loss equals the per-document loss; exact match via generate."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from ftlib.data import TokenLoader
+from ftlib.evaluation import evaluate, exact_match
+from ftlib.models import LlamaConfig, LlamaForCausalLM, PretrainedTokenizer, generate
+
+CFG = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+
+
+class _Docs:
+    def __init__(self, docs):
+        self.docs = docs
+        self.lengths = np.array([len(d[0]) for d in docs])
+
+    def __getitem__(self, i):
+        return self.docs[i]
+
+
+def _docs(seed=0, n=9):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        L = int(rng.integers(3, 20))
+        ids = rng.integers(1, CFG.vocab_size, L)
+        mask = (rng.random(L) < 0.7).astype(np.uint8)  # some tokens carry no loss
+        out.append((ids, mask))
+    return out
+
+
+def test_packed_eval_loss_is_the_token_weighted_mean_over_documents():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CFG).double()
+    docs = _docs()
+    loader = TokenLoader(_Docs(docs), batch_size=2, seq_len=24, pad_id=0, packing=True, shuffle=False, drop_last=False)
+    model.train()
+    res = evaluate(model, loader)
+    assert model.training and all(p.grad is None for p in model.parameters())
+    total, n = 0.0, 0
+    with torch.no_grad():
+        model.eval()
+        for ids, mask in docs:  # each document alone, full logits, the loss's shift by hand
+            ids_t = torch.as_tensor(ids)[None]
+            logits = model(ids_t)[0, :-1]
+            keep = torch.as_tensor(mask[1:], dtype=torch.bool)
+            total += F.cross_entropy(logits[keep], ids_t[0, 1:][keep], reduction="sum").item()
+            n += int(keep.sum())
+    assert res.tokens == n
+    assert res.loss == pytest.approx(total / n, rel=1e-10)
+    assert res.perplexity == pytest.approx(math.exp(total / n), rel=1e-10)
+    assert res.to_dict() == {"eval_loss": res.loss, "eval_ppl": res.perplexity, "eval_tokens": n}
+    assert evaluate(model, loader, max_batches=1).batches == 1
+
+
+def test_eval_without_targets_is_refused():
+    model = LlamaForCausalLM(CFG)
+    docs = [(np.arange(1, 6), np.zeros(5, np.uint8))]
+    loader = TokenLoader(_Docs(docs), batch_size=1, seq_len=8, pad_id=0, packing=True, shuffle=False)
+    with pytest.raises(ValueError, match="no target token"):
+        evaluate(model, loader)
+
+
+def _tokenizer():
+    words = ["<pad>", "<eos>"] + [f"w{i}" for i in range(CFG.vocab_size - 2)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PretrainedTokenizer(tok, eos_token="<eos>", pad_token="<pad>")
+
+
+def test_exact_match_agrees_with_unbatched_greedy_generation():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CFG).eval()
+    tok = _tokenizer()
+    rng = np.random.default_rng(1)
+    prompts = [" ".join(f"w{i}" for i in rng.integers(0, 30, int(rng.integers(1, 7)))) for _ in range(7)]
+    singles = []
+    for p in prompts:
+        new = generate(model, torch.tensor([tok.encode(p)]), max_new_tokens=4, stop_tokens=[1])[0].tolist()
+        singles.append(tok.decode(new[: new.index(1)] if 1 in new else new))
+    refs = [s if i % 2 == 0 else s + " w0" for i, s in enumerate(singles)]  # every other one wrong
+    em = exact_match(model, tok, prompts, refs, max_new_tokens=4, batch_size=3)
+    assert em.predictions == singles  # left-padded batches decode exactly as one prompt alone
+    assert em.hits == [i % 2 == 0 for i in range(7)] and (em.correct, em.total) == (4, 7)
+    assert em.accuracy == pytest.approx(4 / 7)
+    loose = exact_match(model, tok, prompts, [f"  {s} " for s in singles], max_new_tokens=4)
+    assert loose.accuracy == 1.0  # whitespace is normalised
+    with pytest.raises(ValueError, match="2 prompts but 1 references"):
+        exact_match(model, tok, prompts[:2], refs[:1])

@@ -1,0 +1,203 @@
+"""ftlib.metrics: the FLOPs formula against torch's FLOP counter, token statistics, the JSONL logger,
+resume truncation, the device peak table, plots and TensorBoard."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+from ftlib.data import collate_packed, pack, pad_collate
+from ftlib.lora import LoRAConfig, apply_lora
+from ftlib.metrics import (
+    FlopsModel,
+    MetricsLogger,
+    TokenStats,
+    device_peak_flops,
+    peak_memory_bytes,
+    plot_metrics,
+    read_metrics,
+)
+from ftlib.models import LlamaConfig, LlamaForCausalLM
+from ftlib.optim import StepResult
+
+CFG = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+
+
+def _measured(model, ids):
+    """(linear-layer FLOPs, attention FLOPs) torch counts for forward + backward over ids."""
+    fc = FlopCounterMode(display=False)
+    with fc:
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
+    counts = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+    return counts.get("aten.mm", 0) + counts.get("aten.addmm", 0), counts.get("aten.bmm", 0)
+
+
+def test_linear_flops_equal_torchs_count_for_full_finetuning():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CFG)
+    f = FlopsModel.from_model(model)
+    n_linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert f.body + f.head == n_linear == f.body_trainable + f.head_trainable
+    assert (f.layers, f.attn_dim) == (2, 32)
+    B, T = 2, 9
+    linear, attn = _measured(model, torch.randint(0, 61, (B, T)))
+    assert linear == f.flops(B * T, B * T, 0)  # 6 N per token, exactly
+    # the CPU reference attention computes all T^2 (query, key) pairs and masks; model FLOPs count
+    # the causal T(T+1)/2 only
+    assert attn == 12 * f.layers * f.attn_dim * B * T * T
+    assert f.flops_per_token(T) == 6 * n_linear + 6 * f.layers * f.attn_dim * (T + 1)
+
+
+def test_lora_flops_count_adapters_and_only_trained_weight_gradients():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CFG)
+    apply_lora(model, LoRAConfig(r=4, alpha=8, target_modules="all-linear"), verbose=False)
+    f = FlopsModel.from_model(model)
+    n_lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert f.body_trainable == n_lora and f.head_trainable == 0
+    linear, _ = _measured(model, torch.randint(0, 61, (2, 9)))
+    want = f.flops(18, 18, 0)
+    # layer 0's input needs no gradient (the embedding is frozen): autograd skips those few input
+    # gradients, which the formula counts (it is an upper bound within a few percent)
+    assert 0.9 * want < linear <= want
+
+
+def test_nf4_base_counts_as_its_dense_shape():
+    pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    dense = FlopsModel.from_model(LlamaForCausalLM(CFG))
+    model = LlamaForCausalLM(CFG)
+    apply_lora(model, LoRAConfig(r=4, alpha=8, target_modules="all-linear", quantize="nf4"), verbose=False)
+    q = FlopsModel.from_model(model)
+    n_lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert q.body + q.head == dense.body + dense.head + n_lora
+
+
+@settings(max_examples=30)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.integers(41, 64), st.data())
+def test_token_stats_of_packed_and_padded_batches(lengths, seq_len, data):
+    """Invariants: real tokens = sum of document lengths; pairs = sum n(n+1)/2; padding = 1 - real/(B*T)."""
+    pad = 0
+    docs = [(np.arange(1, n + 1, dtype=np.int64), np.ones(n, np.uint8)) for n in lengths]  # no pad id inside
+    plan = pack(np.array(lengths), seq_len, "split")
+    batch = collate_packed(plan, list(range(plan.n_rows)), lambda d: docs[d], pad)
+    s = TokenStats().add(batch, pad)
+    assert s.tokens == sum(lengths) and s.positions == plan.n_rows * seq_len
+    assert s.attn_pairs == sum(n * (n + 1) // 2 for n in lengths)
+    assert s.padding_fraction == pytest.approx(1 - sum(lengths) / (plan.n_rows * seq_len))
+    assert s.targets == int((batch["labels"][:, 1:] != -100).sum())
+    side = data.draw(st.sampled_from(["right", "left"]))
+    padded = pad_collate([docs[i] for i in range(len(lengths))], pad, padding_side=side)
+    p = TokenStats().add(padded, pad)
+    assert p.tokens == sum(lengths) and p.attn_pairs == s.attn_pairs
+    both = TokenStats().add(batch, pad).add(padded, pad)
+    assert both.tokens == 2 * sum(lengths)
+
+
+def _result(loss=1.0, norm=2.0, clipped=1.0, skipped=False):
+    clip = {"grad_norm": norm, "grad_norm_clipped": clipped, "clipped": float(clipped < norm), "clip_scale": 0.5}
+    return StepResult(skipped=skipped, loss=loss, num_tokens=10, grad_norm=norm, loss_scale=None, clip=clip,
+                      nan_source=None)
+
+
+def _packed_batch():
+    docs = [(np.arange(1, 6), np.ones(5, np.uint8)), (np.arange(1, 4), np.ones(3, np.uint8))]
+    plan = pack(np.array([5, 3]), 10, "split")
+    return collate_packed(plan, list(range(plan.n_rows)), lambda d: docs[d], 0)
+
+
+def test_logger_writes_and_flushes_a_line_per_step(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    flops = FlopsModel.from_model(LlamaForCausalLM(CFG))
+    logger = MetricsLogger(path, total_steps=4, flops=flops, peak_flops=1e12, progress=False, print_every=2)
+    for step in (1, 2):
+        rec = logger.step(step, _result(loss=3.0 - step), lr=1e-3, tokens=TokenStats().add(_packed_batch(), 0),
+                          skipped_steps=0)
+        lines = path.read_text().splitlines()  # readable before close: flushed per step
+        assert len(lines) == step and json.loads(lines[-1]) == rec
+    assert rec["clip_ratio"] == 0.5 and rec["grad_norm"] == 2.0 and rec["grad_norm_clipped"] == 1.0
+    assert rec["tokens"] == 8 and rec["padding_fraction"] == pytest.approx(0.2)
+    achieved = flops.flops(8, rec_targets := 8 - 2, 15 + 6) / rec["step_time_s"]
+    assert rec_targets == TokenStats().add(_packed_batch(), 0).targets
+    assert rec["mfu"] == pytest.approx(achieved / 1e12, rel=1e-2, abs=1e-4)
+    assert rec["peak_mem_gib"] > 0 and rec["eta_s"] >= 0
+    logger.eval(2, {"eval_loss": 0.5, "eval_ppl": 1.6})
+    logger.step(3, _result(loss=float("nan"), skipped=True), lr=1e-3, skipped_steps=1)
+    logger.close()
+    recs = read_metrics(path)
+    assert [r["step"] for r in recs] == [1, 2, 2, 3] and recs[2]["kind"] == "eval"
+    assert recs[3]["loss"] is None and recs[3]["skipped"] is True  # strict JSON: NaN written as null
+    out = capsys.readouterr().out
+    assert "step 2/4 | loss 1.0000" in out and "eval @ step 2: eval_loss 0.5000" in out
+
+
+def test_resumed_logger_drops_records_past_its_start_and_a_torn_last_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    with MetricsLogger(path, progress=False, print_every=None) as logger:
+        for step in range(1, 6):
+            logger.step(step, _result(), lr=1.0)
+        logger.eval(4, {"eval_loss": 1.0})
+    with open(path, "a") as f:
+        f.write('{"step": 6, "lo')  # a kill in the middle of a write
+    with pytest.raises(ValueError, match=r"m.jsonl:7: bad metrics record"):
+        read_metrics(path)
+    with pytest.warns(UserWarning, match="skipped 1 unreadable line"):
+        logger = MetricsLogger(path, start_step=3, progress=False, print_every=None)
+    logger.step(4, _result(), lr=2.0)
+    logger.close()
+    assert [(r["step"], r["lr"]) for r in read_metrics(path)] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+
+
+def test_only_rank_zero_writes(tmp_path):
+    logger = MetricsLogger(tmp_path / "m.jsonl", rank=1, progress=False)
+    rec = logger.step(1, _result(), lr=1.0)
+    logger.close()
+    assert rec["loss"] == 1.0 and not (tmp_path / "m.jsonl").exists()
+
+
+def test_device_peak_table(monkeypatch):
+    assert device_peak_flops("cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, want in [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.5), ("NVIDIA H200", 989.4),
+                       ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L40S", 362.05), ("NVIDIA GeForce RTX 4090", 165.2),
+                       ("Tesla T4", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=name: n)
+        got = device_peak_flops("cuda", "bf16")
+        assert got == (None if want is None else want * 1e12), name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100 80GB PCIe")
+    assert device_peak_flops("cuda", "fp32") in (19.5e12, 156e12)  # tf32 when allowed
+    monkeypatch.setenv("FTLIB_PEAK_TFLOPS", "123")
+    assert device_peak_flops("cpu") == 123e12
+    monkeypatch.setenv("FTLIB_PEAK_TFLOPS", "fast")
+    with pytest.raises(ValueError, match="FTLIB_PEAK_TFLOPS"):
+        device_peak_flops("cuda")
+    assert peak_memory_bytes("cpu") > 2**20
+
+
+def test_plot_metrics_writes_a_png_and_needs_matplotlib(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "m.jsonl"
+    with MetricsLogger(path, progress=False, print_every=None) as logger:
+        for step in range(1, 8):
+            logger.step(step, _result(loss=1.0 / step), lr=1e-3 * step)
+        logger.eval(7, {"eval_loss": 0.3})
+    png = plot_metrics(path, tmp_path / "m.png", title="demo")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        plot_metrics(path, tmp_path / "n.png")
+
+
+def test_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    with MetricsLogger(None, progress=False, print_every=None, tensorboard=tmp_path / "tb") as logger:
+        logger.step(1, _result(), lr=1.0)
+        logger.eval(1, {"eval_loss": 1.0})
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
