@@ -9,6 +9,7 @@ Modules (import the ones you need; nothing here pulls in optional dependencies):
 - ``ftlib.clip``     gradient clippers (global norm, z-score EMA, AGC, per-layer)
 - ``ftlib.sched``    LR schedules (warmup + cosine/linear/constant, WSD, plateau-aware hybrid)
 - ``ftlib.kernels``  attention dispatch (flash-attn / Triton / PyTorch reference)
+- ``ftlib.distributed``  FSDP2 / HSDP / DDP sharding, sharded checkpoints, full-state exports, memory calculator
 """
 
 __version__ = "0.1.0"
