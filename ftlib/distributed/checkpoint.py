@@ -222,7 +222,7 @@ class _ShardJob:
     texts: dict[str, str]  # rank 0: file -> JSON text
     tensors: dict[str, dict[str, torch.Tensor]]  # rank 0: file -> CPU tensors
     metrics: dict
-    events: list = field(default_factory=list)
+    presaved: list = field(default_factory=list)  # rank 0: files already written into tmp
 
 
 class ShardedCheckpointer(Checkpointer):
@@ -306,20 +306,23 @@ class ShardedCheckpointer(Checkpointer):
             per_rank["rng"] = _encode(_rng_state(), "rng", rank_small)
         texts: dict[str, str] = {}
         tensors: dict[str, dict[str, torch.Tensor]] = {}
-        lm, _ = _causal_lm(model)
-        if kind == "adapter":
+        presaved: list[str] = []
+        if kind == "adapter":  # the whole adapter in PEFT's format, written now by rank 0 (small)
             from ..lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-            from .export import _adapter_files
+            from .export import save_adapter_gathered
 
-            adapter_tensors, adapter_text = _adapter_files(lm, base_model_name_or_path, None)  # collective
+            save_kw = {} if base_model_name_or_path is None else {"base_model_name_or_path": base_model_name_or_path}
             if comm.rank == 0:
-                tensors[ADAPTER_WEIGHTS], texts[ADAPTER_CONFIG] = adapter_tensors, adapter_text
+                tmp.mkdir(parents=True, exist_ok=True)
+            save_adapter_gathered(_causal_lm(model)[0], tmp, **save_kw)  # collective
+            presaved = [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
         if comm.rank == 0:
             texts[STATE_JSON] = json.dumps(state, indent=1, allow_nan=False) + "\n"
             tensors[STATE_TENSORS] = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in small.items()}
         job = _ShardJob(step, final, tmp, None, {k: v.detach().to("cpu", copy=True).contiguous()
                                                   for k, v in rank_small.items()},
-                        json.dumps(per_rank, indent=1, allow_nan=False) + "\n", texts, tensors, state["metrics"])
+                        json.dumps(per_rank, indent=1, allow_nan=False) + "\n", texts, tensors, state["metrics"],
+                        presaved)
         writer = HuggingFaceStorageWriter(str(tmp / SHARDS), save_distributed=True)
         kw = dict(storage_writer=writer, process_group=self._group, no_dist=not comm.on)
         if self.background:
@@ -386,6 +389,9 @@ class ShardedCheckpointer(Checkpointer):
         self.last_saved = job.final
 
     def _finish_rank0(self, job: _ShardJob, files: dict) -> None:
+        for fname in job.presaved:
+            f = job.tmp / fname
+            files[fname] = {"bytes": f.stat().st_size, "sha256": _sha256_file(f)}
         for fname, ts in job.tensors.items():
             size, sha = _write_safetensors(job.tmp / fname, ts, {"format": "pt"})
             files[fname] = {"bytes": size, "sha256": sha}

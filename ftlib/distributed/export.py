@@ -1,46 +1,40 @@
 """Full-state export from a sharded run: the adapter (PEFT format) or the merged model (Hugging Face format).
 
-Both are collective (call them on every rank at the same point) and write from rank 0 only:
+Both are collective (call them on every rank at the same point), write from rank 0 only, and
+write through the one-process functions, so the files are exactly theirs:
 
-- ``export_adapter``: each adapter tensor is gathered whole (``DTensor.full_tensor``; an adapter
-  is small: r * (in + out) per layer) and rank 0 writes ``adapter_config.json`` +
-  ``adapter_model.safetensors`` exactly as ``ftlib.lora.save_adapter`` does in one process.
+- ``export_adapter``: the adapter's shards are swapped for their gathered values
+  (``DTensor.full_tensor``; an adapter is small: r * (in + out) per layer) and rank 0 calls
+  ``ftlib.lora.save_adapter``; then the shards are put back.
 - ``export_merged``: one layer at a time. For each adapted (or NF4) linear, every rank swaps the
-  layer's shards for their gathered values, computes the merged weight with the layer's own code
-  (``LoRALinear.to_linear``: ``W + s B A`` in fp32, DoRA's ``m / ||W + s B A||`` per row, the NF4
-  base dequantized), puts the shards back and keeps nothing; other tensors (embeddings, norms,
-  the head) are gathered one by one. So no GPU ever holds more than one whole weight matrix
-  beyond its shards, and rank 0's host memory holds at most one output file (``max_shard_size``)
-  before it is written. The files are those ``save_pretrained(merge_and_unload(model, dtype))``
-  writes in one process: the same names, shards, index and config, and the same bits.
+  layer's shards for their gathered values, the layer's own code computes the merged weight
+  (``LoRALinear.to_linear``: ``W + s B A`` in fp32, DoRA's ``m / ||W + s B A||`` per row, an NF4
+  base dequantized), the shards go back, and rank 0 moves the result to host memory; other
+  tensors (embeddings, norms, head) are gathered one by one. No GPU holds more than one whole
+  layer beyond its shards. Rank 0 assembles the merged ``LlamaForCausalLM`` on the CPU (host
+  memory: one copy of the merged weights, 16 GB for an 8B model in bf16) and calls
+  ``ftlib.models.save_pretrained``: the files ``save_pretrained(merge_and_unload(model, dtype))``
+  writes in one process, the same names, shards, index and config, and the same bits.
 
-Under DDP (nothing sharded) only rank 0 computes; the others wait at the final barrier.
+Under DDP (nothing sharded) only rank 0 computes; the others wait for it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import os
-import re
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._atomic import atomic_write
-
 __all__ = ["export_adapter", "export_merged"]
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def _is_dtensor(t) -> bool:
@@ -60,8 +54,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     mesh = t.device_mesh
     local = t.to_local()
     if local.device.type != mesh.device_type:  # CPU-offloaded shards: gather on the mesh's device
-        local = local.to(mesh.device_type)
-        t = DTensor.from_local(local, mesh, t.placements, shape=t.shape, stride=t.stride())
+        t = DTensor.from_local(local.to(mesh.device_type), mesh, t.placements, shape=t.shape, stride=t.stride())
     return t.full_tensor().detach()
 
 
@@ -83,110 +76,75 @@ def _lora_model(model: nn.Module) -> nn.Module:
     for mod in inner.modules():
         if getattr(mod, _CONFIG_ATTR, None) is not None:
             return mod
-    raise ValueError("export_adapter: the model has no LoRA adapters (ftlib.lora.apply_lora was not applied)")
-
-
-def _adapter_files(lm: nn.Module, base_model_name_or_path: str | None, task_type: str | None):
-    """(PEFT-keyed CPU tensors, adapter_config.json text) of ``lm``'s adapter; collective, every rank gets them."""
-    from ..lora.apply import get_lora_config
-    from ..lora.peft_io import _PREFIX, _adapter_params, _model_name_or_path
-
-    cfg = get_lora_config(lm)
-    tensors = {_PREFIX + k: _full(p).to("cpu").contiguous().clone() for k, p in _adapter_params(lm).items()}
-    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else sorted(set(cfg.target_modules))
-    d = cfg.to_peft_dict(targets, base_model_name_or_path or _model_name_or_path(lm), task_type)
-    return tensors, json.dumps(d, indent=2, sort_keys=True) + "\n"
-
-
-def export_adapter(model: nn.Module, path: str | os.PathLike, *, base_model_name_or_path: str | None = None,
-                   task_type: str | None = None) -> Path:
-    """Write the adapter of a sharded (or DDP, or plain) model to ``path`` in PEFT's format, from rank 0.
-
-    Collective: call on every rank. Returns ``path`` on every rank once the files exist.
-    """
-    from safetensors.torch import save_file
-
-    from ..lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-
-    path = Path(path)
-    _resharded(model)
-    tensors, text = _adapter_files(_lora_model(model), base_model_name_or_path, task_type)
-    if _rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        atomic_write(path / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-        atomic_write(path / ADAPTER_CONFIG, lambda p: p.write_text(text))
-    _barrier()
-    return path
+    raise ValueError("the model has no LoRA adapters (ftlib.lora.apply_lora was not applied)")
 
 
 @contextlib.contextmanager
-def _gathered(module: nn.Module):
-    """Inside the block ``module``'s sharded parameters are plain tensors holding their whole value."""
+def _gathered(module: nn.Module, names: set[str] | None = None):
+    """Inside the block, ``module``'s sharded parameters (those named in ``names``, default all) are
+    plain tensors holding their whole value; collective: every rank enters with the same arguments."""
     swapped = []
     try:
-        for mod in module.modules():
+        for mod_name, mod in module.named_modules():
             for name, p in list(mod._parameters.items()):
-                if p is not None and _is_dtensor(p):
+                full_name = f"{mod_name}.{name}" if mod_name else name
+                if p is not None and _is_dtensor(p) and (names is None or full_name in names):
                     swapped.append((mod, name, p))
                     mod._parameters[name] = nn.Parameter(_full(p), requires_grad=False)
         yield module
     finally:
         for mod, name, p in swapped:
             mod._parameters[name] = p
-        if hasattr(module, "_w_sq_cache"):
-            module._w_sq_cache = None  # DoRA's ||W||^2 cache saw the gathered tensor
+        for mod in module.modules():
+            if hasattr(mod, "_w_sq_cache"):
+                mod._w_sq_cache = None  # DoRA's ||W||^2 cache saw the gathered tensor
 
 
-def _leaves(module: nn.Module, prefix: str, dtype):
-    """(name, shape, dtype, make) of every tensor of the merged model, in ``state_dict`` order.
+def save_adapter_gathered(lm: nn.Module, path: str | os.PathLike, **save_kw) -> None:
+    """``save_adapter(lm, path)`` on rank 0 with the adapter gathered; collective."""
+    from ..lora import save_adapter
+    from ..lora.peft_io import _adapter_params
 
-    ``make()`` returns the tensor's whole value (collective when sharded).
+    with _gathered(lm, set(_adapter_params(lm))):
+        if _rank() == 0:
+            save_adapter(lm, path, **save_kw)
+
+
+def export_adapter(model: nn.Module, path: str | os.PathLike, **save_kw) -> Path:
+    """Write the adapter of a sharded (or DDP, or plain) model to ``path`` in PEFT's format, from rank 0.
+
+    Collective: call on every rank. Keyword arguments go to ``ftlib.lora.save_adapter``
+    (``base_model_name_or_path``, ``task_type``). Returns ``path`` on every rank once the files exist.
     """
-    from ..lora.layers import LoRALinear
-    from ..lora.nf4 import NF4Linear
+    from .checkpoint import _Comm
 
-    if isinstance(module, (LoRALinear, NF4Linear)):
-        base = module.base_layer if isinstance(module, LoRALinear) else module
-        out_dtype = dtype or (base.compute_dtype if isinstance(base, NF4Linear) else base.weight.dtype)
-        shape = (module.out_features, module.in_features)
-
-        made: dict[str, torch.Tensor] = {}  # weight and bias of one gather and merge
-
-        def take(key, module=module, made=made):
-            if not made:
-                with _gathered(module):
-                    lin = module.to_linear(dtype)
-                made.update(weight=lin.weight.detach(), bias=None if lin.bias is None else lin.bias.detach())
-            return made.pop(key)
-
-        yield prefix + "weight", shape, out_dtype, lambda: take("weight")
-        if base.bias is not None:
-            yield prefix + "bias", (module.out_features,), out_dtype, lambda: take("bias")
-        return
-    for name, p in module._parameters.items():
-        if p is not None:
-            yield prefix + name, tuple(p.shape), p.dtype, lambda p=p: _full(p)
-    for name, b in module._buffers.items():
-        if b is not None and name not in module._non_persistent_buffers_set:
-            yield prefix + name, tuple(b.shape), b.dtype, lambda b=b: _full(b)
-    for name, child in module._modules.items():
-        if child is not None:
-            yield from _leaves(child, f"{prefix}{name}.", dtype)
+    _resharded(model)
+    save_adapter_gathered(_lora_model(model), path, **save_kw)
+    _Comm(None).from_rank0(None)  # every rank returns once rank 0 has written
+    return Path(path)
 
 
-def export_merged(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = torch.bfloat16,
+def _set_tensor(root: nn.Module, name: str, value: torch.Tensor, param: bool) -> None:
+    mod_name, _, leaf = name.rpartition(".")
+    mod = root.get_submodule(mod_name) if mod_name else root
+    if param:
+        mod._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        mod._buffers[leaf] = value
+
+
+def export_merged(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                   max_shard_size: int | str = "5GB") -> list[str]:
     """Write the merged model (LoRA/QLoRA folded in; a full fine-tune as it is) in Hugging Face's layout.
 
-    Collective: call on every rank. ``dtype`` is that of the merged linear weights (None: the
-    base's), other tensors keep theirs, as ``ftlib.lora.merge_and_unload``. Returns the files
-    written (on every rank). ``model`` may be the FSDP2 root, a DDP wrapper or a plain module
-    containing the causal LM.
+    Collective: call on every rank. ``dtype`` as ``ftlib.lora.merge_and_unload``: None keeps each
+    merged layer in its base's dtype and every other tensor in its own; a dtype converts every
+    floating tensor. ``model`` may be the FSDP2 root, a DDP wrapper or a plain module containing
+    the causal LM. Returns the files written (on every rank).
     """
-    from safetensors.torch import save_file
-
-    from ..models.config import ARCHITECTURES
-    from ..models.hub import _INDEX, _SINGLE, parse_size
+    from ..lora.layers import LoRALinear
+    from ..lora.nf4 import NF4Linear
+    from ..models import LlamaForCausalLM, save_pretrained
     from .checkpoint import _causal_lm, _Comm
 
     _resharded(model)
@@ -194,64 +152,57 @@ def export_merged(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dty
     config = getattr(lm, "config", None)
     if not hasattr(config, "to_hf_dict"):
         raise ValueError("export_merged: no causal LM with a Hugging Face config inside the model")
-    sharded = any(_is_dtensor(p) for p in lm.parameters())
     rank = _rank()
-    root = Path(path)
+    sharded = any(_is_dtensor(p) for p in lm.parameters())
     names: list[str] = []
     if rank == 0 or sharded:
-        leaves, seen = [], set()
-        tied = getattr(config, "tie_word_embeddings", False)
-        for name, shape, dt, make in _leaves(lm, "", dtype):
-            if tied and name == "lm_head.weight":
-                continue  # the config ties it back (as save_pretrained)
-            if name not in seen:
-                seen.add(name)
-                leaves.append((name, shape, dt, make))
-        limit = parse_size(max_shard_size)
-        shards: list[list[int]] = [[]]
-        size = 0
-        for i, (_, shape, dt, _) in enumerate(leaves):
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-            if shards[-1] and size + nbytes > limit:
-                shards.append([])
-                size = 0
-            shards[-1].append(i)
-            size += nbytes
-        n = len(shards)
-        names = [_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        head = getattr(lm, "lm_head", None)
+        if config.tie_word_embeddings and isinstance(head, LoRALinear):
+            config = dataclasses.replace(config, tie_word_embeddings=False)  # the merged head is its own
+        out = None
         if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            if n > 1 and (root / _INDEX).exists():
-                (root / _INDEX).unlink()  # as save_pretrained: a cut save must not load as a mix
-        total = 0
-        for fname, idxs in zip(names, shards):
-            tensors = {}
-            for i in idxs:
-                name, shape, dt, make = leaves[i]
-                t = make()  # every rank takes part in the gather
+            with torch.device("meta"):
+                out = LlamaForCausalLM(config)
+        done: set[int] = set()
+        for prefix, mod in _walk(lm, "", (LoRALinear, NF4Linear)):
+            if isinstance(mod, (LoRALinear, NF4Linear)):
+                with _gathered(mod):
+                    lin = mod.to_linear(dtype)  # fp32 merge from the whole base and adapter
                 if rank == 0:
-                    if tuple(t.shape) != tuple(shape) or t.dtype != dt:
-                        raise RuntimeError(f"export_merged: {name} came out {tuple(t.shape)} {t.dtype}, "
-                                           f"planned {shape} {dt}")
-                    tensors[name] = t.detach().to("cpu").contiguous()
-                    total += t.numel() * t.element_size()
-                del t
-            if rank == 0:
-                atomic_write(root / fname, lambda p, ts=tensors: save_file(ts, str(p), metadata={"format": "pt"}))
+                    _set_tensor(out, prefix + "weight", lin.weight.detach().cpu(), True)
+                    if lin.bias is not None:
+                        _set_tensor(out, prefix + "bias", lin.bias.detach().cpu(), True)
+                del lin
+                continue
+            for name, p in mod._parameters.items():
+                if p is None or id(p) in done:
+                    continue  # a tied weight: tie_weights() shares it again below
+                done.add(id(p))
+                t = _full(p)
+                if rank == 0:
+                    t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                    _set_tensor(out, prefix + name, t.cpu(), True)
+            for name, b in mod._buffers.items():
+                if b is not None and name not in mod._non_persistent_buffers_set:
+                    t = _full(b)
+                    if rank == 0:
+                        _set_tensor(out, prefix + name, (t.to(dtype) if dtype is not None and t.is_floating_point()
+                                                         else t).cpu(), False)
         if rank == 0:
-            if n > 1:
-                index = {"metadata": {"total_size": total},
-                         "weight_map": {leaves[i][0]: fname for fname, idxs in zip(names, shards) for i in idxs}}
-                atomic_write(root / _INDEX, lambda p: p.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
-                names.append(_INDEX)
-            cfg = {"architectures": [ARCHITECTURES[config.model_type]], **config.to_hf_dict()}
-            dtypes = {dt for _, _, dt, _ in leaves if dt.is_floating_point}
-            if len(dtypes) == 1:
-                cfg["torch_dtype"] = cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
-            atomic_write(root / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
-            names.append("config.json")
-            for old in root.glob("model*.safetensors*"):
-                if old.name not in names and (old.name == _INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors",
-                                                                               old.name)):
-                    old.unlink()
+            out.tie_weights()
+            left = [n for n, p in out.named_parameters() if p.is_meta]
+            if left:
+                raise RuntimeError(f"export_merged: no value for {left[:5]} (a module ftlib cannot merge?)")
+            names = save_pretrained(out, path, max_shard_size=max_shard_size)
+            del out
     return _Comm(None).from_rank0(names)  # also the barrier: the files exist when it returns
+
+
+def _walk(module: nn.Module, prefix: str, leaves: tuple):
+    """(name prefix, module) in ``named_modules`` order, not descending into ``leaves`` (merged whole)."""
+    yield prefix, module
+    if isinstance(module, leaves):
+        return
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _walk(child, f"{prefix}{name}.", leaves)

@@ -80,7 +80,7 @@ def build(case: str) -> LossModule:
 
 
 def make_clipper(case: str):
-    return {"zscore": lambda: ZScoreClipper(z=0.5, beta=0.5, warmup=1), "agc": lambda: AGCClipper(0.02),
+    return {"zscore": lambda: ZScoreClipper(z=0.05, beta=0.5, warmup=1), "agc": lambda: AGCClipper(0.02),
             "global": lambda: GlobalNormClipper(0.3)}[CASES[case]["clip"]]()
 
 

@@ -91,3 +91,52 @@ def test_per_block_torch_compile_trains_like_one_process(tmp_path_factory):
     out = run_once(tmp_path_factory, "ftlib-two-ranks-compile", args=("compile",))
     _, want, _ = reference("lora")
     _assert_records_match(_records(out, "compile")["records"], want[:1], 2e-6, "compile")
+
+
+# ---- arguments, in this process (a one-rank gloo group) ------------------------------------------
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_sharding_needs_torch_distributed(monkeypatch):
+    from ftlib.distributed import init_distributed, shard_model, wrap_ddp
+
+    monkeypatch.delenv("RANK", raising=False)
+    env = init_distributed()  # a plain python launch: one process, nothing initialised
+    assert (env.rank, env.world_size) == (0, 1)
+    for fn in (shard_model, wrap_ddp):
+        with pytest.raises(RuntimeError, match="launch with torchrun and call ftlib.distributed.init_distributed"):
+            fn(build("lora"))
+
+
+def test_shard_model_units_and_refusals(one_rank):
+    from torch.distributed.fsdp import FSDPModule
+
+    from ftlib.distributed import device_mesh, shard_model, wrap_ddp
+
+    untied, tied = shard_model(build("full")), shard_model(build("full_tied"))
+    for module, embed_unit in ((untied, True), (tied, False)):
+        lm = module.model
+        assert isinstance(module, FSDPModule) and all(isinstance(b, FSDPModule) for b in lm.model.layers)
+        assert isinstance(lm.model.embed_tokens, FSDPModule) is embed_unit  # a tied one stays with the head
+        assert not isinstance(lm.lm_head, FSDPModule)  # the chunked loss reads its weight: root unit
+    with pytest.raises(RuntimeError, match="already sharded"):
+        shard_model(untied)
+    other = build("lora")
+    with pytest.raises(ValueError, match="is not a submodule of the model"):
+        shard_model(build("lora"), blocks=[other.model.model.layers[0]])
+    with pytest.raises(ValueError, match="mixed_precision must be None, 'fp32', 'bf16', 'fp16'"):
+        shard_model(build("lora"), mixed_precision="bf8")
+    with pytest.raises(ValueError, match="replicate 0 x shard 2 != world size 1"):
+        device_mesh(shard=2)
+    with pytest.raises(ValueError, match="compression='bf16' needs the NCCL backend.*use compression='fp16'"):
+        wrap_ddp(build("lora"), compression="bf16")
+    with pytest.raises(ValueError, match="compression must be one of"):
+        wrap_ddp(build("lora"), compression="int8")
