@@ -38,5 +38,11 @@ echo "== benchmarks/bench_attention.py (limit 240 s)"
 PYTHONUNBUFFERED=1 timeout 240 "$PY" benchmarks/bench_attention.py --out "$OUT/attention.csv" --budget-s 190 \
     2>&1 | tee "$OUT/bench_attention.log" || status=1
 
+# Memory calculator vs measured peak (max_memory_allocated) of a training step, one GPU, full / LoRA /
+# QLoRA on Llama-3.2-1B's shape; stops starting new methods after 60 s.
+echo "== benchmarks/bench_memory.py (limit 90 s)"
+PYTHONUNBUFFERED=1 timeout 90 "$PY" benchmarks/bench_memory.py --csv "$OUT/memory.csv" --budget-s 60 \
+    2>&1 | tee "$OUT/bench_memory.log" || status=1
+
 echo "gpu_check: done, status $status, outputs in $OUT"
 exit $status

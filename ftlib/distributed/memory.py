@@ -11,12 +11,14 @@ rank r rows ``[r c, (r + 1) c)`` of every tensor, c = ceil(rows / S) for a shard
   scale: about 0.516 bytes a weight), every other tensor (embeddings, norms, head) in ``dtype``.
 - ``grads``: fp32 gradients of the trainable tensors (sharded like them).
 - ``optimizer``: AdamW's two fp32 moments (8 bytes a trainable weight; ``adamw8bit``: 2).
-- ``gathered``: what is whole for a while. On S > 1 ranks (FSDP2, ``mixed_precision="bf16"``):
-  the root unit (head, final norm, a tied embedding) for the whole step, two blocks in the
-  compute dtype (the one computing and the one prefetched), the largest unit's unsharded fp32
-  gradient before its reduce-scatter. On one GPU (no sharding): autocast's bf16 copies of the
-  fp32 weights it computes with (full fine-tuning: every weight, held from the forward to the
-  backward). QLoRA adds one dequantized weight (the largest targeted linear) in the compute dtype.
+- ``gathered``: what is whole for a while, the larger of the forward's and the backward's. On
+  S > 1 ranks (FSDP2, ``mixed_precision="bf16"``): the root unit (head, final norm, a tied
+  embedding) for the whole step and two blocks in the compute dtype (the one computing and the
+  one prefetched); in backward also the largest unit's unsharded fp32 gradient before its
+  reduce-scatter. On one GPU (no sharding): in the forward, autocast's cached bf16 copies of the
+  fp32 weights (full fine-tuning: every weight; freed when the forward ends, as activation
+  checkpointing keeps none of them). QLoRA adds one dequantized weight (the largest targeted
+  linear) in the compute dtype.
 - ``activations``: tensors saved for backward, for ``batch_size * seq_len`` tokens per rank, in
   the compute dtype (2 bytes) unless noted. Per token and decoder block, with an attention
   kernel that keeps q, k, v, its output and the fp32 log-sum-exp (flash-attn, ftlib's Triton
@@ -33,6 +35,10 @@ rank r rows ``[r c, (r + 1) c)`` of every tensor, c = ceil(rows / S) for a shard
   block at a time is recomputed: ``L * 2H * T + A_block * T``; without it ``L * A_block * T``.
   Plus the head: final norm (8H) and the chunked loss (2H of hidden per token and a 4-byte
   log-sum-exp), and two [1024, V] fp32 logit blocks of the chunk in flight.
+
+``total`` is the peak: params + optimizer + activations + the larger of the forward's gathered
+bytes and the backward's gathered bytes plus the gradients (the gradients do not exist yet in
+the forward; the activations are counted whole in both phases, an upper bound for the backward).
 
 Not counted: the CUDA context and allocator fragmentation (measured peaks run some 5-15% above
 ``max_memory_allocated``), communication buffers of NCCL, DoRA's extra activations, the
@@ -69,12 +75,16 @@ class MemoryEstimate:
     params: int
     grads: int
     optimizer: int
-    gathered: int
+    gathered: int  # max(gathered_forward, gathered_backward)
     activations: int
+    gathered_forward: int
+    gathered_backward: int
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.gathered + self.activations
+        """The peak: the forward's gathered copies and the backward's gradients are not alive together."""
+        return self.params + self.optimizer + self.activations + max(self.gathered_forward,
+                                                                     self.grads + self.gathered_backward)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -216,11 +226,13 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
 
     blocks = [v for k, v in whole.items() if k.startswith("block")]
     if s > 1:
-        gathered = whole.get("root", 0) + 2 * max(blocks, default=0) + max(grad_whole.values(), default=0)
+        fwd = whole.get("root", 0) + 2 * max(blocks, default=0)
+        bwd = fwd + max(grad_whole.values(), default=0)
     else:
-        gathered = 2 * n_train  # autocast's bf16 copies of the fp32 (trainable) weights
+        fwd, bwd = 2 * n_train, 0  # autocast's cached bf16 copies of the fp32 (trainable) weights
     if method == "qlora" and targets:
-        gathered += 2 * max(o * i for o, i in targets.values())
+        dequant = 2 * max(o * i for o, i in targets.values())
+        fwd, bwd = fwd + dequant, bwd + dequant
 
     t = batch_size * seq_len
     h = config.hidden_size
@@ -229,7 +241,7 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
                                            train_norms=method == "full", act_bytes=2)
     acts = (n_layers * 2 * h * t + per_block * t) if grad_ckpt else n_layers * per_block * t
     acts += (8 * h + 2 * h + 4) * t + 2 * min(loss_chunk, t) * config.vocab_size * 4
-    return MemoryEstimate(method, gpus, s, n_params, n_train, persistent, grads, opt, gathered, acts)
+    return MemoryEstimate(method, gpus, s, n_params, n_train, persistent, grads, opt, max(fwd, bwd), acts, fwd, bwd)
 
 
 def format_table(estimates: list[MemoryEstimate]) -> str:
