@@ -93,13 +93,16 @@ def parts(case: str, module: LossModule, rank: int, world: int):
     return opt, sched, make_clipper(case), loader
 
 
-def train(module, opt, sched, clip, loader, start: int = 0, stop: int = STEPS, on_micro=None, on_step=None) -> list:
+def train(module, opt, sched, clip, loader, start: int = 0, stop: int = STEPS, on_micro=None, on_step=None,
+          device=None) -> list:
     """Optimizer steps ``start`` .. ``stop`` - 1; one record per step."""
     records = []
     it = iter(loader)
     for step in range(start, stop):
         for m in range(ACCUM):
             batch = next(it)
+            if device is not None:
+                batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with opt.grad_sync(module, enabled=m == ACCUM - 1):
                 opt.backward(*module(batch))
             if on_micro is not None:

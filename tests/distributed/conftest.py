@@ -24,7 +24,7 @@ def _shared_dir(tmp_path_factory, name: str) -> Path:
     base = tmp_path_factory.getbasetemp()
     return base.parent / f"{name}-{uid}" if uid else base / name
 
-def run_once(tmp_path_factory, name: str, args: tuple[str, ...] = (), timeout: float = 900.0) -> Path:
+def run_once(tmp_path_factory, name: str, args: tuple[str, ...] = (), timeout: float = 900.0, nproc: int = 2) -> Path:
     """Run the worker (``args`` after the output folder) once per session; return its output folder."""
     from filelock import FileLock
 
@@ -34,7 +34,7 @@ def run_once(tmp_path_factory, name: str, args: tuple[str, ...] = (), timeout: f
     with FileLock(str(out) + ".lock"):
         if not (out / "ok").exists():
             out.mkdir(parents=True, exist_ok=True)
-            run_torchrun(WORKER, out, timeout=timeout, args=args)
+            run_torchrun(WORKER, out, timeout=timeout, args=args, nproc=nproc)
     return out
 
 @pytest.fixture(scope="session")
