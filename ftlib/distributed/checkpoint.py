@@ -242,13 +242,17 @@ class ShardedCheckpointer(Checkpointer):
         self._group = dist.new_group(backend="gloo") if on else None
         self._comm = _Comm(self._group)
         self._pid0 = int(self._comm.from_rank0(os.getpid()))
-        self._stager = None
+        self._stager, self._stager_keys = None, None
         super().__init__(root, keep=keep, metric=metric, mode=mode, background=background)
         if background:
-            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+            self._stager = self._new_stager()
 
-            # pinned host buffers, reused from one save to the next (pinning needs CUDA)
-            self._stager = BlockingAsyncStager(cache_staged_state_dict=torch.cuda.is_available())
+    @staticmethod
+    def _new_stager():
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        # pinned host buffers, reused from one save to the next (pinning needs CUDA)
+        return BlockingAsyncStager(cache_staged_state_dict=torch.cuda.is_available())
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -326,6 +330,10 @@ class ShardedCheckpointer(Checkpointer):
         writer = HuggingFaceStorageWriter(str(tmp / SHARDS), save_distributed=True)
         kw = dict(storage_writer=writer, process_group=self._group, no_dist=not comm.on)
         if self.background:
+            if self._stager_keys not in (None, sorted(flat)):  # its reused buffers fit one layout
+                self._stager.close()
+                self._stager = self._new_stager()
+            self._stager_keys = sorted(flat)
             with _quiet_single_process(comm.on):  # copies to CPU before returning
                 job.future = dcp.async_save(flat, async_stager=self._stager, **kw)
             self._thread = threading.Thread(target=self._run, args=(job,), name=f"ftlib-sharded-checkpoint-{step}")
