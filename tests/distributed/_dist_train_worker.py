@@ -146,11 +146,27 @@ def run_variant(name: str, out: Path, rank: int) -> None:
             sums = gathered(sum(float(p.grad.double().sum()) for p in trainable(inner)))
             checks.append((m, sums[0] == sums[1]))
 
+    def on_step(step, record):  # HSDP (replicated shards) and DDP (plain tensors) checkpoint too
+        if name in ("hsdp", "ddp") and step == SAVE_AT:
+            save_sharded_checkpoint(out / "ckpt", step, model=module, optimizer=opt, scheduler=sched, clipper=clip,
+                                    loader=loader)
+
     stop = 1 if name == "compile" else STEPS  # compiling dominates; one step shows it runs and agrees
-    records = train(module, opt, sched, clip, loader, stop=stop, on_micro=on_micro)
+    records = train(module, opt, sched, clip, loader, stop=stop, on_micro=on_micro, on_step=on_step)
     if name.startswith("ddp"):
         assert checks == [(m, m == ACCUM - 1) for _ in range(stop) for m in range(ACCUM)], checks
     final = saved_weights(inner)
+    if name in ("hsdp", "ddp"):
+        module2 = build("lora")
+        module2 = (shard_model(module2, mesh=device_mesh(replicate=2)) if name == "hsdp" else wrap_ddp(module2))
+        inner2 = module2.module if name == "ddp" else module2
+        opt2, sched2, clip2, loader2 = parts("lora", inner2, rank, 2)
+        load_sharded_checkpoint(out / "ckpt", model=module2, optimizer=opt2, scheduler=sched2, clipper=clip2,
+                                loader=loader2)
+        resumed = train(module2, opt2, sched2, clip2, loader2, start=SAVE_AT)
+        assert [r["loss"] for r in resumed] == [r["loss"] for r in records[SAVE_AT:]], (name, resumed, records)
+        final2 = saved_weights(inner2)
+        assert all(torch.equal(final[k], final2[k]) for k in final), f"{name}: resumed weights differ"
     if rank == 0:
         write(out, "records.json", {"records": records})
         write(out, "final.safetensors", final)
