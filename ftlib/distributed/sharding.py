@@ -188,9 +188,19 @@ def _default_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def _sync_from_rank0(model: nn.Module) -> None:
+    """Broadcast rank 0's parameters and buffers to every rank (what DDP does when it wraps a model)."""
+    seen = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        dist.broadcast(t.data, src=0)
+
+
 def shard_model(model: nn.Module, *, mesh=None, mixed_precision=None, reduce_dtype: torch.dtype | None = None,
                 reshard_after_forward: bool = True, cpu_offload: bool = False, blocks=None,
-                compile: bool | dict = False) -> nn.Module:
+                compile: bool | dict = False, sync_module_states: bool = True) -> nn.Module:
     """Shard ``model`` in place with FSDP2: one unit per decoder block (and untied embedding), plus the root.
 
     ``model`` is the module whose ``forward`` the loop calls (a loss wrapper around the causal LM
@@ -206,7 +216,10 @@ def shard_model(model: nn.Module, *, mesh=None, mixed_precision=None, reduce_dty
     sharded parameters, gradients and so the optimizer state live in (pinned) CPU memory and the
     optimizer steps on the CPU. ``blocks``: the units to shard (default ``decoder_blocks``).
     ``compile``: ``torch.compile`` each block after sharding (True, or a dict of compile options),
-    the per-block recipe FSDP2 supports.
+    the per-block recipe FSDP2 supports. ``sync_module_states``: broadcast rank 0's weights first,
+    as DDP does: each rank keeps its own rows of its own tensors, so a randomly initialised tensor
+    (LoRA's A, drawn from each rank's RNG) would otherwise be a patchwork of different draws
+    (False skips the one broadcast of the model when every rank's copy is known to be the same).
     """
     _need_dist("shard_model")
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
@@ -220,6 +233,8 @@ def shard_model(model: nn.Module, *, mesh=None, mixed_precision=None, reduce_dty
     for u in units:
         if id(u) not in inside or u is model:
             raise ValueError(f"shard_model: block {type(u).__name__} is not a submodule of the model")
+    if sync_module_states:
+        _sync_from_rank0(model)
     kw = dict(mesh=mesh, mp_policy=mixed_precision_policy(mixed_precision, reduce_dtype),
               offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy())
     for u in units:

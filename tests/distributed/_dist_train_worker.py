@@ -54,8 +54,19 @@ def local_bytes(tensors) -> int:
     return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors if t.ndim)
 
 
+def build_per_rank(case: str, rank: int):
+    """``build(case)``, but rank 1's adapters drawn from another seed, as with a per-rank RNG seed:
+    ``shard_model`` must start every rank from rank 0's weights."""
+    module = build(case)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad and rank:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)))
+    return module
+
+
 def run_case(case: str, out: Path, rank: int) -> None:
-    module = shard_model(build(case))
+    module = shard_model(build_per_rank(case, rank))
     opt, sched, clip, loader = parts(case, module, rank, 2)
     no_sync_clean = []
     sizes = {"params": local_bytes(module.parameters())}  # this rank's memory, for the memory calculator
