@@ -17,11 +17,29 @@ Times are the median and the minimum (the minimum is
 the steadier number on a shared machine); ratios are to lora's median / minimum.
 
     python benchmarks/bench_lora.py --csv benchmarks/results/lora.csv
+
+GPU part (``--kernels``): the fused LoRA matmul (ftlib.kernels.lora_matmul) against the unfused
+PyTorch composition and PEFT, on Llama-3-8B projection shapes (in x out = 4096 x 4096, 4096 x
+14336, 14336 x 4096, 4096 x 1024), r in {16, 64}, 8192 tokens, a bf16 and an NF4 base (double
+quantization), LoRA and DoRA, dropout 0.05 (--dropout), all under bf16 autocast with fp32 adapters
+(the usual mixed-precision recipe). Providers, each a one-layer forward / backward / both:
+  fused     LoRALinear with FTLIB_LORA_BACKEND=triton (the kernels; DoRA's norm included)
+  unfused   LoRALinear with FTLIB_LORA_BACKEND=torch (base layer, dropout, two adapter GEMMs, adds;
+            NF4: bitsandbytes' dequantization then cuBLAS) - the reference of the ratios
+  peft      peft's LoRA layer on nn.Linear / bitsandbytes' Linear4bit, when installed
+FLOPs are the useful ones: forward 2 M N K + 2 M r (K + N), backward 2 M N K + 4 M r (K + N) (dX,
+v, v A, dA, dB; no dW); DoRA with dropout runs a second base GEMM that is not counted. TFLOP/s are
+also given as a fraction of the device's bf16 peak measured in the same run (an 8192^3 cuBLAS
+matmul). Cases run in priority order (4096 x 4096, r = 16 first); --budget-s stops starting new
+ones and lists the skipped. Rows go to --out (benchmarks/results/lora_gpu.csv).
+
+    python benchmarks/bench_lora.py --kernels --out benchmarks/results/lora_gpu.csv --budget-s 80
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import datetime as dt
 import json
@@ -139,19 +157,202 @@ def run_all(variants: list[str], args) -> list[dict]:
              "peak_mb": peaks[v] / 2**20} for v in variants]
 
 
+# ----------------------------------------------------------------------------------------------
+# GPU part: fused vs unfused vs PEFT
+# ----------------------------------------------------------------------------------------------
+
+GPU_FIELDS = ["date", "device", "torch", "triton", "peft", "autotune", "n_in", "n_out", "r", "tokens", "base",
+              "adapter", "dropout", "provider", "mode", "ms", "tflops", "frac_peak", "vs_unfused", "peak_mb",
+              "measured_peak_tflops"]
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 1024)]
+
+
+def _measured_peak() -> float:
+    """TFLOP/s of an 8192^3 bf16 cuBLAS matmul: the device's practical dense peak."""
+    from triton.testing import do_bench
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def _gpu_layers(n_in, n_out, r, base_kind, adapter, dropout, have_peft):
+    """{provider: (module, backend or None)} sharing one set of weights."""
+    torch.manual_seed(0)
+    lin = nn.Linear(n_in, n_out, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    dora = adapter == "dora"
+    if base_kind == "nf4":
+        from ftlib.lora import NF4Linear
+
+        base = NF4Linear.from_linear(lin, double_quant=True)
+    else:
+        base = lin
+    layer = LoRALinear(base, r, 2 * r, dropout=dropout, use_dora=dora).train()
+    with torch.no_grad():
+        layer.lora_B.weight.normal_(0, 0.01)
+    out = {"fused": (layer, "triton"), "unfused": (layer, "torch")}
+    if have_peft:
+        import peft
+
+        try:
+            if base_kind == "nf4":
+                import bitsandbytes as bnb
+
+                pbase = bnb.nn.Linear4bit(n_in, n_out, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
+                                          compress_statistics=True)
+                pbase.weight = bnb.nn.Params4bit(lin.weight.detach().cpu(), requires_grad=False, quant_type="nf4",
+                                                 compress_statistics=True)
+                pbase = pbase.cuda()
+            else:
+                pbase = copy.deepcopy(lin)
+            model = nn.Sequential()
+            model.add_module("proj", pbase)
+            cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules=["proj"],
+                                  use_dora=dora, init_lora_weights=False)
+            pm = peft.get_peft_model(model, cfg).cuda()
+            out["peft"] = (pm, None)
+        except Exception as e:  # noqa: BLE001 - report and go on without this provider
+            print(f"  peft {base_kind}/{adapter}: not measured ({type(e).__name__}: {str(e)[:100]})")
+    return out
+
+
+def _gpu_time(module, backend, x, mode):
+    """(median ms, peak MB of one step) of forward / backward / forward+backward under bf16 autocast."""
+    from triton.testing import do_bench
+
+    def fwd():
+        if backend is not None:
+            os.environ["FTLIB_LORA_BACKEND"] = backend
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return module(x)
+
+    params = [p for p in module.parameters() if p.requires_grad] + [x]
+    grad = torch.randn(x.shape[0], fwd().shape[-1], device="cuda", dtype=torch.bfloat16)
+    if mode == "fwd":
+        step = lambda: fwd()
+    elif mode == "bwd":
+        out = fwd()
+        step = lambda: out.backward(grad, retain_graph=True)
+    else:
+        step = lambda: fwd().backward(grad)
+    step()  # compile / autotune outside the timing
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    ms = do_bench(step, warmup=10, rep=40, grad_to_none=params, return_mode="median")
+    return ms, peak
+
+
+def gpu_kernels(args) -> int:
+    if not torch.cuda.is_available():
+        print("bench_lora --kernels: no CUDA device; this part measures GPU kernels, nothing to do.")
+        return 0
+    try:
+        import triton
+    except ImportError:
+        print("bench_lora --kernels: triton is not installed; nothing to measure.")
+        return 0
+    try:
+        import peft
+        have_peft, peft_version = True, peft.__version__
+    except ImportError:
+        have_peft, peft_version = False, "-"
+    peak = _measured_peak()
+    meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "peft": peft_version, "autotune": os.environ.get("FTLIB_LORA_AUTOTUNE", "1"),
+            "measured_peak_tflops": f"{peak:.0f}"}
+    print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  peft {peft_version}  "
+          f"bf16 autocast, fp32 adapters, tokens={args.tokens}, dropout={args.dropout}, "
+          f"measured bf16 peak {peak:.0f} TFLOP/s, autotune={meta['autotune']}")
+    ranks = [int(v) for v in args.ranks.split(",")]
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    cases = [(s, r, base, adapter) for r in ranks for adapter in ("lora", "dora") for s in shapes
+             for base in ("bf16", "nf4")]
+    cases.sort(key=lambda c: (c[1] != ranks[0], c[0] != SHAPES[0], c[3] != "lora"))  # priority order
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    new = not os.path.exists(args.out)
+    fh = open(args.out, "a", newline="")
+    writer = csv.DictWriter(fh, fieldnames=GPU_FIELDS)
+    if new:
+        writer.writeheader()
+    print(f"{'in x out':>12} {'r':>3} {'base':4} {'adapter':7} {'mode':8} {'provider':8} {'ms':>8} {'TFLOP/s':>8} "
+          f"{'of peak':>7} {'vs unfused':>10} {'peak MB':>8}", flush=True)
+    t0, skipped, fused_ms = time.monotonic(), [], {}
+    for (n_in, n_out), r, base, adapter in cases:
+        if args.budget_s and time.monotonic() - t0 > args.budget_s:
+            skipped.append(f"{n_in}x{n_out}/r={r}/{base}/{adapter}")
+            continue
+        m = args.tokens
+        flops = {"fwd": 2 * m * n_out * n_in + 2 * m * r * (n_in + n_out),
+                 "bwd": 2 * m * n_out * n_in + 4 * m * r * (n_in + n_out)}
+        flops["fwd+bwd"] = flops["fwd"] + flops["bwd"]
+        layers = _gpu_layers(n_in, n_out, r, base, adapter, args.dropout, have_peft)
+        x = torch.randn(m, n_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for mode in ("fwd", "bwd", "fwd+bwd"):
+            res = {}
+            for name, (module, backend) in layers.items():
+                try:
+                    res[name] = _gpu_time(module, backend, x, mode)
+                except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # report it, keep going
+                    print(f"  {name} {n_in}x{n_out} r={r} {base}/{adapter} {mode}: {type(e).__name__}: {str(e)[:120]}")
+                    torch.cuda.empty_cache()
+            ref = res.get("unfused", (None,))[0]
+            for name, (ms, peak_mb) in res.items():
+                tf = flops[mode] / (ms * 1e-3) / 1e12
+                vs = ref / ms if ref else None
+                fused_ms[(n_in, n_out, r, base, adapter, mode, name)] = ms
+                writer.writerow({**meta, "n_in": n_in, "n_out": n_out, "r": r, "tokens": m, "base": base,
+                                 "adapter": adapter, "dropout": args.dropout, "provider": name, "mode": mode,
+                                 "ms": f"{ms:.4f}", "tflops": f"{tf:.1f}", "frac_peak": f"{tf / peak:.3f}",
+                                 "vs_unfused": f"{vs:.3f}" if vs else "", "peak_mb": f"{peak_mb:.0f}"})
+                print(f"{f'{n_in}x{n_out}':>12} {r:>3} {base:4} {adapter:7} {mode:8} {name:8} {ms:8.3f} {tf:8.1f} "
+                      f"{tf / peak:7.2f} {vs if vs else float('nan'):10.2f} {peak_mb:8.0f}", flush=True)
+            fh.flush()
+        del layers, x
+        torch.cuda.empty_cache()
+    fh.close()
+    os.environ.pop("FTLIB_LORA_BACKEND", None)
+    # NF4 against the bf16 base (same shape, rank, adapter and provider): the QLoRA cost of the kernel
+    for key, ms in fused_ms.items():
+        n_in, n_out, r, base, adapter, mode, name = key
+        other = fused_ms.get((n_in, n_out, r, "bf16", adapter, mode, name))
+        if base == "nf4" and other and mode == "fwd+bwd":
+            print(f"nf4 / bf16 time  {n_in}x{n_out} r={r} {adapter:4} {name:8} {ms / other:.2f}")
+    if skipped:
+        print(f"time budget reached; skipped {len(skipped)} cases: {', '.join(skipped)}")
+    print(f"appended rows to {args.out} ({time.monotonic() - t0:.0f} s)")
+    return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-in", type=int, default=4096)
     ap.add_argument("--n-out", type=int, default=4096)
     ap.add_argument("--r", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default 256; --kernels: 8192)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--threads", type=int, default=0,
                     help="CPU threads (0: torch's default); 1 avoids OpenMP stalls on a busy machine")
     ap.add_argument("--csv", default=None, help="append result rows to this CSV file")
+    ap.add_argument("--kernels", action="store_true", help="GPU part: fused vs unfused vs PEFT (see above)")
+    ap.add_argument("--out", default="benchmarks/results/lora_gpu.csv", help="--kernels: CSV to append rows to")
+    ap.add_argument("--ranks", default="16,64", help="--kernels: adapter ranks")
+    ap.add_argument("--dropout", type=float, default=0.05, help="--kernels: LoRA dropout")
+    ap.add_argument("--quick", action="store_true", help="--kernels: the 4096 x 4096 shape only")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="--kernels: start no new case after this many seconds (0: no limit)")
     args = ap.parse_args()
+    if args.kernels:
+        args.tokens = args.tokens or 8192
+        sys.exit(gpu_kernels(args))
+    args.tokens = args.tokens or 256
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 

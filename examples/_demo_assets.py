@@ -1,12 +1,19 @@
 """Tiny, self-made assets for ``finetune_lora.py --demo``: no download, a few seconds on a CPU.
 
+The task: reverse a list of 3 to 5 words ("Reverse the words: lamp river stone" -> "stone river
+lamp"). It is a rule, not a table of facts, so it can be checked on word lists the model never
+saw: ``heldout_records()`` are 64 fixed lists that no training record, preference pair or the
+tokenizer's training text contains. (Single-digit sums, the demo's first task, are 100 facts:
+a tiny model memorises the ones it is shown and cannot answer held-out ones.)
+
 Writes under ``root``:
 
 - ``base/``: a Hugging Face-layout checkpoint of a 2-layer Llama (config.json +
-  model.safetensors) with a byte-level BPE ``tokenizer.json`` trained on the demo text and a
-  ``tokenizer_config.json`` holding the ChatML template and the special tokens;
-- ``data/train.jsonl``: chat records ``{"messages": [...]}`` of small arithmetic questions,
-  the kind of task a tiny model learns visibly in a hundred steps.
+  model.safetensors, random weights: the base model cannot do the task) with a byte-level BPE
+  ``tokenizer.json`` trained on the training text and a ``tokenizer_config.json`` holding the
+  ChatML template and the special tokens;
+- ``data/train.jsonl``: chat records ``{"messages": [...]}`` (``demo_records``);
+- ``eval/heldout.jsonl``: the held-out records, same layout.
 """
 
 from __future__ import annotations
@@ -17,42 +24,118 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["make_demo_assets", "demo_records", "demo_pairs"]
+__all__ = ["make_demo_assets", "demo_records", "demo_pairs", "heldout_records", "heldout_pairs", "pair_score",
+           "arithmetic_pairs", "WORDS"]
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
-_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
-          "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen"]
+WORDS = ("apple bird cloud door egg fish goat hat ink jam kite lamp moon nest owl pear queen rock sun tree "
+         "van wolf box yarn zoo cat dog leaf milk road ship star wind gold salt rain snow fire coin bell").split()
+PROMPT = "Reverse the words: "
+N_HELDOUT = 64
+_HELDOUT_SEED = 20240601  # fixed: the held-out lists do not depend on the training seed
+
+
+def _word_list(rng: random.Random) -> tuple[str, ...]:
+    return tuple(rng.sample(WORDS, rng.randint(3, 5)))
+
+
+def _heldout_lists() -> list[tuple[str, ...]]:
+    rng, out = random.Random(_HELDOUT_SEED), []
+    while len(out) < N_HELDOUT:
+        w = _word_list(rng)
+        if w not in out:
+            out.append(w)
+    return out
+
+
+_HELDOUT = _heldout_lists()
+_HELDOUT_SET = set(_HELDOUT)
+
+
+def _training_lists(n: int, seed: int) -> list[tuple[str, ...]]:
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        w = _word_list(rng)
+        if w not in _HELDOUT_SET:  # held out: never trained on
+            out.append(w)
+    return out
+
+
+def _chat(words: tuple[str, ...], system: bool = False) -> list[dict]:
+    msgs = [{"role": "user", "content": PROMPT + " ".join(words)},
+            {"role": "assistant", "content": " ".join(reversed(words))}]
+    if system:
+        msgs.insert(0, {"role": "system", "content": "You are a careful assistant."})
+    return msgs
 
 
 def demo_records(n: int, seed: int = 0) -> list[dict]:
-    """``n`` chat records: "What is a plus b?" -> "a plus b is c." (words and digits mixed)."""
-    rng = random.Random(seed)
-    recs = []
-    for _ in range(n):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        q = f"What is {a} plus {b}?" if rng.random() < 0.5 else f"What is {_WORDS[a]} plus {_WORDS[b]}?"
-        msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]
-        if rng.random() < 0.3:
-            msgs.insert(0, {"role": "system", "content": "You are a careful calculator."})
-        recs.append({"messages": msgs})
-    return recs
+    """``n`` training chat records (30 % with a system prompt); none is a held-out list."""
+    rng = random.Random(seed + 1)
+    return [{"messages": _chat(w, system=rng.random() < 0.3)} for w in _training_lists(n, seed)]
+
+
+def heldout_records() -> list[dict]:
+    """The ``N_HELDOUT`` held-out chat records (user question + the right answer)."""
+    return [{"messages": _chat(w)} for w in _HELDOUT]
+
+
+def _wrong_order(words: tuple[str, ...], rng: random.Random) -> list[str]:
+    """The same words in a wrong order: the list as given, or reversed with two neighbours swapped."""
+    right = list(reversed(words))
+    if rng.random() < 0.5:
+        return list(words)
+    wrong = list(right)
+    i = rng.randrange(len(wrong) - 1)
+    wrong[i], wrong[i + 1] = wrong[i + 1], wrong[i]
+    return wrong
+
+
+def _pairs(lists, rng: random.Random) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": PROMPT + " ".join(w)}],
+             "chosen": " ".join(reversed(w)), "rejected": " ".join(_wrong_order(w, rng))} for w in lists]
 
 
 def demo_pairs(n: int, seed: int = 0) -> list[dict]:
     """``n`` preference records ``{"messages": [user], "chosen": str, "rejected": str}``.
 
-    The chosen answer states the right sum, the rejected one a wrong sum (off by 1 to 3, never
-    negative) in the same words, so a preference is checkable and differs in the number only.
+    The chosen answer is the reversed list; the rejected one holds the same words in a wrong
+    order (the list as given, or reversed with two neighbours swapped), so a preference is
+    checkable and differs in the order only. No held-out list appears.
     """
+    return _pairs(_training_lists(n, seed + 7), random.Random(seed + 2))
+
+
+def heldout_pairs(seed: int = 0) -> list[dict]:
+    """One preference record per held-out list (``heldout_records``): prompts no training record has."""
+    return _pairs(_HELDOUT, random.Random(seed + 3))
+
+
+def pair_score(prompt: str, answer: str) -> float:
+    """A checkable reward: minus the number of positions where ``answer`` differs from the reversed list."""
+    want = list(reversed(prompt[len(PROMPT):].split())) if prompt.startswith(PROMPT) else []
+    got = answer.split()
+    return -float(sum(a != b for a, b in zip(want, got)) + abs(len(want) - len(got)))
+
+
+_NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def arithmetic_pairs(n: int, seed: int = 0) -> list[dict]:
+    """``n`` preference records on single-digit sums ("What is 3 plus four?"): the chosen answer states
+    the right sum, the rejected one a wrong sum (off by 1 to 3, never negative) in the same words.
+
+    The reward-model demo's pairs: 200 distinct questions, so held-out comparisons can pair a seen
+    question with an unseen wrong answer (``examples/reward_model.py``)."""
     rng = random.Random(seed)
     recs = []
     for _ in range(n):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        q = f"What is {a} plus {b}?" if rng.random() < 0.5 else f"What is {_WORDS[a]} plus {_WORDS[b]}?"
+        q = f"What is {a} plus {b}?" if rng.random() < 0.5 else f"What is {_NUMBER_WORDS[a]} plus {_NUMBER_WORDS[b]}?"
         wrong = a + b + rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if a + b + d >= 0])
         recs.append({"messages": [{"role": "user", "content": q}],
                      "chosen": f"{a} plus {b} is {a + b}.", "rejected": f"{a} plus {b} is {wrong}."})
@@ -71,19 +154,10 @@ def _train_tokenizer(texts: list[str]):
     return tok
 
 
-def make_demo_assets(root: str | Path, n_records: int = 2000, seed: int = 0) -> Path:
-    """Write the demo model, tokenizer and data under ``root`` (idempotent); returns ``root``."""
-    from ftlib.data import render_chat
-    from ftlib.models import LlamaConfig, LlamaForCausalLM, save_pretrained
+def _random_base(tok):
+    """The 2-layer base model, randomly initialised (it cannot do the task before training)."""
+    from ftlib.models import LlamaConfig, LlamaForCausalLM
 
-    root = Path(root)
-    base, data = root / "base", root / "data"
-    if (base / "config.json").exists() and (data / "train.jsonl").exists():
-        return root
-    recs = demo_records(n_records, seed)
-    tok = _train_tokenizer([render_chat(r["messages"], CHATML) for r in recs])
-
-    torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=352,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False,
@@ -93,6 +167,24 @@ def make_demo_assets(root: str | Path, n_records: int = 2000, seed: int = 0) -> 
         # A pretrained LM head has logits of a useful range; the default 0.02-std init caps them near
         # +-2.5 here, which no adapter on the (frozen) head could overcome. Give it a trained-like scale.
         model.lm_head.weight.normal_(0.0, 2.0 / cfg.hidden_size**0.5)
+    return model
+
+
+def make_demo_assets(root: str | Path, n_records: int = 2000, seed: int = 0) -> Path:
+    """Write the demo model, tokenizer and data under ``root`` (idempotent); returns ``root``."""
+    from ftlib.data import render_chat
+    from ftlib.models import save_pretrained
+
+    root = Path(root)
+    base, data, held = root / "base", root / "data", root / "eval"
+    if (base / "config.json").exists() and (data / "train.jsonl").exists() and (held / "heldout.jsonl").exists():
+        return root
+    recs = demo_records(n_records, seed)
+    tok = _train_tokenizer([render_chat(r["messages"], CHATML) for r in recs])
+
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is left as it was
+        torch.manual_seed(seed)
+        model = _random_base(tok)
     save_pretrained(model, base)
     tok.save(str(base / "tokenizer.json"))
     (base / "tokenizer_config.json").write_text(json.dumps({
@@ -100,8 +192,9 @@ def make_demo_assets(root: str | Path, n_records: int = 2000, seed: int = 0) -> 
         "bos_token": None, "model_max_length": 1024,
     }, indent=1))
 
-    data.mkdir(parents=True, exist_ok=True)
-    with open(data / "train.jsonl", "w") as f:
-        for r in recs:
-            f.write(json.dumps(r) + "\n")
+    for folder, name, rows in ((data, "train.jsonl", recs), (held, "heldout.jsonl", heldout_records())):
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{name}.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(folder / name)  # whole or absent: the check at the top trusts these files
     return root

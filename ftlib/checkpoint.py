@@ -615,17 +615,20 @@ class Checkpointer:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        files = {}
-        for fname, tensors in job.tensors.items():
-            meta = {"format": "pt"}
-            size, sha = _write_safetensors(tmp / fname, tensors, meta)
-            files[fname] = {"bytes": size, "sha256": sha}
-        for fname, text in job.texts.items():
-            size, sha = _write_bytes(tmp / fname, text.encode())
-            files[fname] = {"bytes": size, "sha256": sha}
-        marker = {"format": FORMAT, "version": VERSION, "step": job.step, "metrics": job.metrics, "files": files}
-        _write_bytes(tmp / MARKER, (json.dumps(marker, indent=1, allow_nan=False) + "\n").encode())
-        _fsync_dir(tmp)
+        try:
+            files = {}
+            for fname, tensors in job.tensors.items():
+                size, sha = _write_safetensors(tmp / fname, tensors, {"format": "pt"})
+                files[fname] = {"bytes": size, "sha256": sha}
+            for fname, text in job.texts.items():
+                size, sha = _write_bytes(tmp / fname, text.encode())
+                files[fname] = {"bytes": size, "sha256": sha}
+            marker = {"format": FORMAT, "version": VERSION, "step": job.step, "metrics": job.metrics, "files": files}
+            _write_bytes(tmp / MARKER, (json.dumps(marker, indent=1, allow_nan=False) + "\n").encode())
+            _fsync_dir(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind (a kill leaves .tmp-*)
+            raise
         if job.final.exists():  # an earlier (maybe incomplete) save of this step: replace it
             trash = self.root / f".tmp-{job.final.name}-{os.getpid()}-{self._count}-old"
             os.replace(job.final, trash)

@@ -32,7 +32,7 @@ from .losses import chunked_cross_entropy
 
 __all__ = ["EvalResult", "ExactMatch", "causal_lm_loss", "evaluate", "exact_match"]
 
-BATCH_KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # DESIGN.md batch contract
+BATCH_KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # the batch contract of ftlib.data.collate
 
 
 def causal_lm_loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

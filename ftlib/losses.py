@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "cross_entropy_sum", "chunked_cross_entropy", "count_target_tokens"]
+__all__ = ["IGNORE_INDEX", "cross_entropy_sum", "chunked_cross_entropy", "count_target_tokens", "bradley_terry_loss"]
 
 IGNORE_INDEX = -100
 
@@ -142,3 +142,27 @@ def chunked_cross_entropy(
         raise ValueError(f"labels must be in [0, {lm_head_weight.shape[0]}) or {ignore_index}")
     loss = _ChunkedCE.apply(h, lm_head_weight, y, int(chunk_size), dtype)
     return loss, keep.new_tensor(keep.numel())
+
+
+def bradley_terry_loss(
+    chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairwise reward-model loss, summed: ``sum_i -log sigmoid(r_c,i - r_r,i - m_i)`` and the pair count.
+
+    Bradley-Terry (Bradley & Terry 1952): P(chosen preferred) = sigmoid(r_c - r_r), the reward-model
+    objective of InstructGPT (Ouyang et al. 2022); the optional margin m (a float or a [N] tensor)
+    is Llama 2's (Touvron et al. 2023, eq. 2): a clearer preference must win by more. Computed as
+    -logsigmoid(d - m) in fp32 (fp64 stays fp64), stable for any |d|. ``chosen``, ``rejected``: scores
+    [N]. Returns (loss_sum 0-d, num_pairs int64 0-d), ready for ``TrainOptimizer.backward``.
+    """
+    if chosen.shape != rejected.shape or chosen.ndim != 1:
+        raise ValueError(f"chosen and rejected must be [N] score vectors of one shape, got "
+                         f"{tuple(chosen.shape)} and {tuple(rejected.shape)}")
+    acc = torch.promote_types(torch.promote_types(chosen.dtype, rejected.dtype), torch.float32)
+    d = chosen.to(acc) - rejected.to(acc)
+    if margin is not None:
+        m = torch.as_tensor(margin, dtype=acc, device=d.device)
+        if m.ndim not in (0, 1) or (m.ndim == 1 and m.shape != d.shape):
+            raise ValueError(f"margin must be a float or a [{d.shape[0]}] tensor, got shape {tuple(m.shape)}")
+        d = d - m
+    return -F.logsigmoid(d).sum(), torch.tensor(d.shape[0], dtype=torch.int64, device=d.device)

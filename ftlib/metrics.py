@@ -463,6 +463,7 @@ def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike, *, title: str
     axes[2].plot(*series(train, "grad_norm"), lw=1, color="tab:red", label="before clipping")
     axes[2].plot(*series(train, "grad_norm_clipped"), lw=1, color="tab:purple", alpha=0.7, label="after clipping")
     axes[2].set_ylabel("gradient norm")
+    axes[2].set_yscale("log")
     axes[2].set_xlabel("optimizer step")
     axes[2].legend()
     for a in axes:

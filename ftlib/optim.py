@@ -28,8 +28,28 @@ initialised, so every rank agrees on overflow): the loss is multiplied by the sc
 backward; on overflow the step is skipped and s <- s * backoff; after ``growth_interval``
 clean steps s <- s * growth (Micikevicius et al. 2018, "Mixed Precision Training").
 
-Non-finite gradients (any precision): the step is skipped and counted; the norm used for the
-check is the global one (over every shard), so every rank skips together. A
+Precision fallback. ``precision="fp16", fallback="bf16" | "fp32"``: when ``fallback_after`` (K)
+of the last ``fallback_window`` (W) optimizer steps were skipped for overflow, the wrapper switches
+to the fallback from the next step on: ``autocast()`` uses the new dtype and loss scaling stops.
+It is logged once (warning on the ``ftlib.optim`` logger), shown in ``StepResult.precision`` and
+kept in ``state_dict()`` with the skip history, so a resumed run continues in the fallen-back
+precision and falls back at the same step as an uninterrupted one. The loss scale's calibration
+costs about log2(init_scale / the scale that fits) skips at the start (a few with token-summed
+losses), so K must exceed it; the default (10 of 100) does. Parameter dtypes are the user's: the
+fallback changes the autocast dtype only. ``precision="auto"`` picks bf16 on a GPU with native bf16
+(Ampere and later) and on CPU, else fp16 with fallback to fp32 (e.g. V100, T4).
+
+Non-finite gradients (any precision): the step is skipped and counted. The check covers every
+gradient the optimizer steps, whatever the clipper: it is the global norm before clipping (over
+every shard, so every rank skips together), taken from the clipper's ``norm_before`` when the
+clipper declares ``reports_global_norm`` (every ftlib clipper; AGC's ``exclude`` and per-layer
+parameters without a bound are counted too) and computed here otherwise. Norms accumulate in
+float32, or float64 when a gradient is float64.
+
+Names: clippers that match parameter names (``PerLayerClipper``, ``AGCClipper(exclude=...)``)
+get ``(name, tensor)`` pairs, named by the groups' ``param_names`` (``param_groups`` sets them)
+or, for groups without them, by ``model=``'s ``named_parameters()``; a parameter with neither
+is passed unnamed, and those clippers refuse it (TypeError) instead of matching nothing. A
 ``ftlib.nan_trace.NanTrace`` passed as ``nan_trace=`` (off by default) names the first module whose forward output or gradient went non-finite.
 
 DDP ``no_sync`` / FSDP2 ``set_requires_gradient_sync``: wrap each micro-batch in
@@ -39,8 +59,10 @@ communicates.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+from collections import deque
 from collections.abc import Iterable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -51,9 +73,24 @@ from torch import nn
 from ftlib.clip import _local, grad_norm
 from ftlib.nan_trace import NanTrace
 
-__all__ = ["param_groups", "make_adamw", "StepResult", "TrainOptimizer"]
+__all__ = ["param_groups", "make_adamw", "StepResult", "TrainOptimizer", "resolve_precision"]
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
+_FALLBACKS = ("bf16", "fp32")
+log = logging.getLogger("ftlib.optim")
+
+
+def _native_bf16(device_type: str) -> bool:
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    return device_type == "cpu"  # CPU autocast's own dtype
+
+
+def resolve_precision(device_type: str, fallback: str | None = None) -> tuple[str, str | None]:
+    """``precision="auto"``: (bf16, None) where the device has native bf16, else (fp16, fallback or fp32)."""
+    if _native_bf16(device_type):
+        return "bf16", None
+    return "fp16", fallback or "fp32"
 
 
 def _check_lr(lr: float) -> float:
@@ -173,6 +210,7 @@ class StepResult:
     loss_scale: float | None  # fp16 loss scale after this step's update
     clip: dict[str, float] | None  # the clipper's stats
     nan_source: str | None  # NanTrace's finding when the step was skipped
+    precision: str | None = None  # the precision of the next step (changes once on an fp16 fallback)
 
 
 class TrainOptimizer:
@@ -190,7 +228,8 @@ class TrainOptimizer:
             result = opt.step(clipper)               # normalise by tokens, clip, step, zero grads
             sched.step()
 
-    ``step()`` zeroes gradients: it closes the window.
+    ``step()`` zeroes gradients: it closes the window. ``model`` (optional) names the parameters
+    of groups that carry no ``param_names``, for clippers that match names.
     """
 
     def __init__(
@@ -205,17 +244,27 @@ class TrainOptimizer:
         grads_averaged: bool = True,
         process_group=None,
         nan_trace: NanTrace | None = None,
+        model: nn.Module | None = None,
+        fallback: str | None = None,
+        fallback_after: int = 10,
+        fallback_window: int = 100,
     ):
-        if precision not in _PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(_PRECISIONS)}")
+        if precision not in _PRECISIONS + ("auto",):
+            raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(_PRECISIONS)} or auto")
         for g in optimizer.param_groups:
             _check_lr(g["lr"])
-        self.optimizer, self.precision = optimizer, precision
-        self.grads_averaged, self.process_group, self.nan_trace = grads_averaged, process_group, nan_trace
+        # names for groups without param_names (clippers match names); tied parameters keep their first name
+        self._model_names = {} if model is None else {
+            id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
         first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         if first is None:
             raise ValueError("optimizer has no parameters")
         self.device_type = _local(first).device.type
+        if precision == "auto":
+            precision, fallback = resolve_precision(self.device_type, fallback)
+        self._init_fallback(precision, fallback, fallback_after, fallback_window)
+        self.optimizer, self.precision = optimizer, precision
+        self.grads_averaged, self.process_group, self.nan_trace = grads_averaged, process_group, nan_trace
         self.scaler = None
         if precision == "fp16":
             if not init_scale > 0 or not growth_factor > 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
@@ -238,6 +287,41 @@ class TrainOptimizer:
         self.steps = 0  # updates applied
         self.skipped_steps = 0  # windows skipped for non-finite gradients
         self._reset_window()
+
+    # -- precision fallback ---------------------------------------------------------------
+
+    def _init_fallback(self, precision: str, fallback: str | None, after: int, window: int) -> None:
+        if fallback is not None:
+            if precision != "fp16":
+                raise ValueError(f"fallback={fallback!r} applies to precision='fp16' (or 'auto'), not {precision!r}")
+            if fallback not in _FALLBACKS:
+                raise ValueError(f"unknown fallback {fallback!r}; choose one of {', '.join(_FALLBACKS)}")
+            if fallback == "bf16" and not _native_bf16(self.device_type):
+                raise ValueError(f"fallback='bf16' but this {self.device_type} device has no native bf16; "
+                                 "use fallback='fp32'")
+            if not (isinstance(after, int) and isinstance(window, int) and 1 <= after <= window):
+                raise ValueError(f"need 1 <= fallback_after <= fallback_window (integers), got {after}, {window}")
+        self.requested_precision, self.fallback = precision, fallback
+        self.fallback_after, self.fallback_window = after, window
+        self._skip_calls: deque[int] = deque()  # step() call indices of recent skips (within the window)
+        self.fell_back_at: int | None = None  # index of the first step() call in the fallback precision
+
+    def _note_skip(self, call: int) -> None:
+        """Record a skipped step() call; switch precision at the K-th skip within the last W calls."""
+        if self.fallback is None or self.fell_back_at is not None:
+            return
+        self._skip_calls.append(call)
+        while self._skip_calls and self._skip_calls[0] <= call - self.fallback_window:
+            self._skip_calls.popleft()
+        if len(self._skip_calls) >= self.fallback_after:
+            scale = self.scaler.get_scale() if self.scaler is not None else None
+            self._fall_back(call + 1)
+            log.warning("TrainOptimizer: %d of the last %d steps overflowed in fp16 (loss scale now %s); "
+                        "switching to %s without loss scaling from step %d on",
+                        len(self._skip_calls), self.fallback_window, scale, self.fallback, call + 1)
+
+    def _fall_back(self, at: int) -> None:
+        self.precision, self.scaler, self.fell_back_at = self.fallback, None, at
 
     # -- window bookkeeping ---------------------------------------------------------------
 
@@ -264,10 +348,11 @@ class TrainOptimizer:
         return t
 
     def _params(self) -> list:
+        """``(name or None, parameter)`` for every parameter the optimizer steps."""
         named = []
-        for k, g in enumerate(self.optimizer.param_groups):
+        for g in self.optimizer.param_groups:
             # param_names (from param_groups()) let name-matching clippers work through step()
-            names = g.get("param_names") or [f"group{k}.param{i}" for i in range(len(g["params"]))]
+            names = g.get("param_names") or [self._model_names.get(id(p)) for p in g["params"]]
             named.extend(zip(names, g["params"]))
         return named
 
@@ -314,7 +399,7 @@ class TrainOptimizer:
 
         if self._world() > 1 and dist.get_backend(self.process_group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
-        return _local(self._params()[0][1]).device
+        return _local(self.optimizer.param_groups[0]["params"][0]).device
 
     def backward(self, loss_sum: torch.Tensor, num_tokens) -> None:
         """Back-propagate one micro-batch's summed token loss; count its target tokens."""
@@ -352,22 +437,27 @@ class TrainOptimizer:
             self.scaler.unscale_(self.optimizer)
         if self._pre_factor is None:
             world = self._world() if self.grads_averaged else 1
-            factor = (world / self._totals[0].clamp(min=1.0)).float()
-            by_device: dict = {}
+            factor = (world / self._totals[0].clamp(min=1.0)).double()
+            by_bucket: dict = {}
             for _, p in self._params():
                 if p.grad is not None:
                     g = _local(p.grad)
-                    by_device.setdefault(g.device, []).append(g)
-            for device, grads in by_device.items():
-                torch._foreach_mul_(grads, factor.to(device))
+                    by_bucket.setdefault((g.device, g.dtype == torch.float64), []).append(g)
+            for (device, f64), grads in by_bucket.items():
+                torch._foreach_mul_(grads, factor.to(device, torch.float64 if f64 else torch.float32))
         self._prepared = True
 
     def step(self, clipper=None) -> StepResult:
         """Normalise, clip (``clipper(named_params)``), update unless non-finite, zero grads."""
         self.prepare_grads()
-        params = self._params()
-        clip = clipper(params) if clipper is not None else None
-        norm = clip.norm_before if clip is not None else grad_norm(params)
+        named = self._params()
+        params = [p for _, p in named]
+        if clipper is not None and getattr(clipper, "reports_global_norm", False):
+            clip = clipper([(n, p) if n is not None else p for n, p in named])
+            norm = clip.norm_before  # the norm of every gradient it was given: all of them
+        else:
+            norm = grad_norm(params)  # before clipping: the finiteness check sees every gradient
+            clip = clipper([(n, p) if n is not None else p for n, p in named]) if clipper is not None else None
         totals = self._totals
         tokens, loss_sum, norm_v = torch.cat([totals.double().cpu(), norm.double().reshape(1).cpu()]).tolist()
         skipped = not math.isfinite(norm_v)
@@ -383,6 +473,8 @@ class TrainOptimizer:
         if self.scaler is not None:
             self.scaler.update()
             scale = float(self.scaler.get_scale())
+        if skipped:
+            self._note_skip(self.steps + self.skipped_steps - 1)
         nan_source = None
         if self.nan_trace is not None:
             nan_source = self.nan_trace.first if skipped else None
@@ -397,6 +489,7 @@ class TrainOptimizer:
             loss_scale=scale,
             clip=clip.to_dict() if clip is not None else None,
             nan_source=nan_source,
+            precision=self.precision,
         )
 
     def zero_grad(self) -> None:
@@ -416,16 +509,29 @@ class TrainOptimizer:
             "precision": self.precision,
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
+            "fallback": {
+                "requested_precision": self.requested_precision,
+                "to": self.fallback,
+                "skip_calls": list(self._skip_calls),
+                "fell_back_at": self.fell_back_at,
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
         missing = {"optimizer", "scaler", "precision", "steps", "skipped_steps"} - set(state)
         if missing:
             raise KeyError(f"TrainOptimizer state is missing {sorted(missing)}")
+        fb = state.get("fallback") or {}
+        if (fb.get("fell_back_at") is not None and self.fallback is not None and self.fell_back_at is None
+                and state["precision"] == self.fallback and fb.get("requested_precision") == self.precision):
+            self._fall_back(int(fb["fell_back_at"]))  # the saved run had fallen back: continue in its precision
+            log.info("TrainOptimizer: resuming in %s (fell back from fp16 at step %d)", self.precision, self.fell_back_at)
         if state["precision"] != self.precision:
             raise ValueError(f"state was saved with precision={state['precision']!r}, this wrapper uses {self.precision!r}")
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
         self.steps, self.skipped_steps = int(state["steps"]), int(state["skipped_steps"])
+        if self.fallback is not None and fb.get("to") == self.fallback:
+            self._skip_calls = deque(int(c) for c in fb.get("skip_calls", ()))
         self._reset_window()

@@ -15,6 +15,13 @@ Closed forms (W = warmup, T = total, r = min_lr_ratio, p = progress through the 
 - WSD (warmup-stable-decay; Hu et al. 2024 "MiniCPM", Hägele et al. 2024 "Scaling Laws and
   Compute-Optimal Training beyond Fixed Training Durations"): warmup, 1 until T - D, then a
   decay over the last D to r, shaped linear, cosine or ``1-sqrt`` (1 - sqrt(p)).
+- cosine with warm restarts (SGDR, Loshchilov & Hutter 2017, arXiv:1608.03983): cycle i lasts
+  T_i = T_0 * T_mult^i and starts at S_i = T_0 (T_mult^i - 1) / (T_mult - 1) (i T_0 for
+  T_mult = 1); inside it, at tau = t - S_i, with peak P_i = max(r, gamma^i) (gamma = per-cycle
+  peak decay) and an optional warm-up of w_i: f = s_i + (P_i - s_i) tau / w_i while tau < w_i
+  (s_0 = 0, s_i = r after the first cycle), then f = r + (P_i - r) (1 + cos(pi p)) / 2 with
+  p = (tau - w_i) / (T_i - w_i). Without warm-up and decay it is
+  ``torch.optim.lr_scheduler.CosineAnnealingWarmRestarts`` with eta_min = r * base_lr.
 
 Past T every schedule holds its value at T; with W == T the decay phase is empty and the
 factor stays at 1. Warmup and decay formulas are those of Hugging Face's
@@ -38,7 +45,9 @@ from collections import deque
 
 import torch
 
-__all__ = ["WarmupDecay", "WSD", "PlateauCosine", "ReduceOnPlateau", "LRScheduler", "resolve_warmup"]
+__all__ = [
+    "WarmupDecay", "WSD", "CosineRestarts", "PlateauCosine", "ReduceOnPlateau", "LRScheduler", "resolve_warmup",
+]
 
 _DECAYS = ("cosine", "linear", "constant")
 _WSD_SHAPES = ("linear", "cosine", "1-sqrt")
@@ -51,19 +60,23 @@ def _check_ratio(name: str, value: float) -> float:
     return value
 
 
-def resolve_warmup(total: float, warmup: float | None = None, warmup_ratio: float | None = None) -> float:
-    """Warmup length in units of ``total``, from an absolute length or a ratio of ``total``."""
+def resolve_warmup(total: float, warmup: float | None = None, warmup_ratio: float | None = None, *,
+                   name: str = "warmup") -> float:
+    """Warmup length in units of ``total``, from an absolute length or a ratio of ``total``.
+
+    ``name`` is the phase the length is for, as errors name it (WSD resolves its ``decay`` here too).
+    """
     if not total > 0 or not math.isfinite(total):
         raise ValueError(f"total must be a finite number > 0, got {total}")
     if warmup is not None and warmup_ratio is not None:
-        raise ValueError("give warmup or warmup_ratio, not both")
+        raise ValueError(f"give {name} or {name}_ratio, not both")
     if warmup_ratio is not None:
-        warmup = _check_ratio("warmup_ratio", warmup_ratio) * total
+        warmup = _check_ratio(f"{name}_ratio", warmup_ratio) * total
     warmup = 0.0 if warmup is None else float(warmup)
     if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
+        raise ValueError(f"{name} must be >= 0, got {warmup}")
     if warmup > total:
-        raise ValueError(f"warmup ({warmup}) is longer than total ({total})")
+        raise ValueError(f"{name} ({warmup}) is longer than total ({total})")
     return warmup
 
 
@@ -126,7 +139,7 @@ class WSD:
         self.total, self.shape = float(total), shape
         if decay is not None:
             decay_ratio = None
-        self.decay_len = resolve_warmup(total, decay, decay_ratio)  # same checks: 0 <= D <= T
+        self.decay_len = resolve_warmup(total, decay, decay_ratio, name="decay")  # same checks: 0 <= D <= T
         if self.warmup + self.decay_len > self.total:
             raise ValueError(f"warmup ({self.warmup}) + decay ({self.decay_len}) exceed total ({self.total})")
         self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
@@ -139,6 +152,71 @@ class WSD:
         if t <= start or self.decay_len == 0:
             return 1.0
         return _decay(self.shape, (t - start) / self.decay_len, self.min_lr_ratio)
+
+
+class CosineRestarts:
+    """Cosine annealing with warm restarts (SGDR): cycles of length ``T_0 * T_mult^i``.
+
+    ``T_0``: first cycle length (> 0) in the unit of t (steps or tokens); ``T_mult >= 1``: growth
+    of each cycle; ``min_lr_ratio``: r, the floor of every cycle (torch's ``eta_min = r * base_lr``);
+    ``peak_decay``: gamma in (0, 1], the peak of cycle i is ``max(r, gamma^i)``; ``warmup`` (same
+    length every cycle) or ``warmup_ratio`` (a fraction of each cycle): a linear ramp at the start
+    of each cycle, from 0 in the first and from r in the later ones, so that restarts do not jump.
+    The schedule never ends: past any horizon it keeps cycling. Closed form in the module docstring.
+    """
+
+    def __init__(
+        self,
+        T_0: float,
+        *,
+        T_mult: float = 1.0,
+        min_lr_ratio: float = 0.0,
+        peak_decay: float = 1.0,
+        warmup: float | None = None,
+        warmup_ratio: float | None = None,
+    ):
+        T_0, T_mult = float(T_0), float(T_mult)
+        if not (math.isfinite(T_0) and T_0 > 0):
+            raise ValueError(f"T_0 must be a finite number > 0, got {T_0}")
+        if not (math.isfinite(T_mult) and T_mult >= 1.0):
+            raise ValueError(f"T_mult must be a finite number >= 1 (cycles never shrink), got {T_mult}")
+        if not 0.0 < float(peak_decay) <= 1.0:
+            raise ValueError(f"peak_decay must be in (0, 1], got {peak_decay}")
+        if warmup is not None and warmup_ratio is not None:
+            raise ValueError("give warmup or warmup_ratio, not both")
+        if warmup is not None and not 0.0 <= float(warmup) < T_0:
+            raise ValueError(f"warmup must be in [0, T_0={T_0}) so that every cycle decays, got {warmup}")
+        if warmup_ratio is not None and not 0.0 <= float(warmup_ratio) < 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+        self.T_0, self.T_mult, self.peak_decay = T_0, T_mult, float(peak_decay)
+        self.warmup = None if warmup is None else float(warmup)
+        self.warmup_ratio = None if warmup_ratio is None else float(warmup_ratio)
+        self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
+
+    def cycle(self, t: float) -> tuple[int, float, float]:
+        """(cycle index i, position tau in the cycle, cycle length T_i) at progress t >= 0."""
+        t = max(float(t), 0.0)
+        if self.T_mult == 1.0:
+            i = math.floor(t / self.T_0)
+            tau = t - i * self.T_0
+            if tau >= self.T_0:  # rounding of t / T_0 just below an integer
+                i, tau = i + 1, tau - self.T_0
+            return i, max(tau, 0.0), self.T_0
+        i, start, length = 0, 0.0, self.T_0  # O(log t) iterations: lengths grow geometrically
+        while t >= start + length:
+            i, start, length = i + 1, start + length, length * self.T_mult
+        return i, t - start, length
+
+    def __call__(self, t: float) -> float:
+        i, tau, length = self.cycle(t)
+        r = self.min_lr_ratio
+        peak = max(r, self.peak_decay**i)
+        w = self.warmup if self.warmup is not None else (self.warmup_ratio or 0.0) * length
+        if tau < w:
+            start = 0.0 if i == 0 else r
+            return start + (peak - start) * tau / w
+        p = (tau - w) / (length - w)
+        return r + (peak - r) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
 class PlateauCosine:

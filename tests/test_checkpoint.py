@@ -286,7 +286,7 @@ def test_background_save_snapshots_at_call_time_and_reraises_errors(tmp_path, mo
     ck.save(2, model=a[0])
     with pytest.raises(CheckpointError, match="disk full"):
         ck.wait()
-    assert not (tmp_path / "step-00000002").exists()
+    assert not (tmp_path / "step-00000002").exists() and not list(tmp_path.glob(".tmp-*"))
     monkeypatch.undo()
     ck.save(3, model=a[0])  # the error was reported once; saving works again
     ck.close()
@@ -403,3 +403,25 @@ def test_written_safetensors_match_the_reference_writer(tmp_path):
     assert ours.keys() == ref.keys()
     for k in ts:
         assert ours[k].dtype == ts[k].dtype and torch.equal(ours[k], ts[k]), k
+
+
+def test_a_lora_checkpoint_loads_in_peft(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from ftlib.models import save_pretrained
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(**CFG))
+    save_pretrained(base, tmp_path / "base")
+    model = load_pretrained(tmp_path / "base")
+    apply_lora(model, LoRAConfig(r=4, alpha=8, target_modules="all-linear"), verbose=False)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    path = save_checkpoint(tmp_path / "ck", 5, model=model, base_model_name_or_path=str(tmp_path / "base"))
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    peft_model = peft.PeftModel.from_pretrained(hf, path).eval()
+    ids = torch.randint(0, CFG["vocab_size"], (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, model.eval()(ids), atol=1e-5, rtol=1e-5)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from ftlib.clip import GlobalNormClipper
+from ftlib.clip import AGCClipper, ClipStats, GlobalNormClipper, PerLayerClipper, ZScoreClipper, grad_norm
 from ftlib.losses import cross_entropy_sum
 from ftlib.nan_trace import NanTrace
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups
@@ -348,6 +348,75 @@ def test_bad_optimizer_input_raises():
     with pytest.raises(ValueError, match="set_window_tokens\\(5\\)"):
         opt.step()
     assert all(p.grad is None for p in model.parameters())  # the bad window was dropped
+
+
+class _PartialNormClipper:
+    """A user's clipper whose reported norm covers only some gradients (no reports_global_norm)."""
+
+    def __call__(self, named):
+        first = [p for p in named if isinstance(p, torch.Tensor) or p[0].startswith("proj")]
+        norm = grad_norm(first)
+        return ClipStats(norm, norm, norm < 0, torch.ones(()))
+
+
+@pytest.mark.parametrize("make_clipper", [
+    lambda: AGCClipper(0.01, exclude=("head",)),
+    lambda: PerLayerClipper([("proj", 1.0)]),
+    lambda: _PartialNormClipper(),
+], ids=["agc_exclude", "per_layer_no_default", "user_partial_norm"])
+def test_non_finite_grad_outside_the_clipped_set_still_skips(make_clipper):
+    """Invariant: a NaN in any gradient the optimizer steps skips the step, whatever the clipper
+    leaves alone (AGC's exclude, per-layer parameters without a bound) or reports."""
+    model = TinyLM()
+    opt = TrainOptimizer(make_adamw(param_groups(model, lr=1e-2), lr=1e-2))
+    before = [p.detach().clone() for p in model.parameters()]
+    _one_backward(model, opt)
+    model.head.weight.grad[0, 0] = float("nan")
+    result = opt.step(make_clipper())
+    assert result.skipped and opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_float64_model_steps_in_float64():
+    """A float64 model: normalisation, clipping and the step stay float64 and equal plain SGD on the
+    mean token loss (computed in float64) to 1e-12."""
+    model, ref = TinyLM().double(), TinyLM().double()
+    opt = TrainOptimizer(torch.optim.SGD(param_groups(model, lr=0.1), lr=0.1))  # named groups
+    input_ids, labels = collate(make_sequences(0, 3))
+    opt.backward(*cross_entropy_sum(model(input_ids), labels))
+    loss_sum, n = cross_entropy_sum(ref(input_ids), labels)
+    (loss_sum / n).backward()
+    clipper = GlobalNormClipper(0.05)
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    result = opt.step(clipper)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.sub_(0.1 * p.grad)
+    assert not result.skipped and result.grad_norm == pytest.approx(float(norm), rel=1e-12)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for clipper in (ZScoreClipper(warmup=0), AGCClipper(), PerLayerClipper([(".", 1.0)])):
+        opt.backward(*cross_entropy_sum(model(input_ids), labels))
+        assert not opt.step(clipper).skipped
+
+
+def test_name_matching_clippers_get_names_through_the_optimizer():
+    """Groups without param_names: names come from model=, or a name-matching clipper refuses
+    (it would match nothing); param_groups() groups carry their names."""
+    model = TinyLM()
+    rule = PerLayerClipper([(r"^head\.", 1e-3)])
+    opt = TrainOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    _one_backward(model, opt)
+    with pytest.raises(TypeError, match="unnamed"):
+        opt.step(rule)
+    for opt in (TrainOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model),
+                TrainOptimizer(torch.optim.SGD(param_groups(model, lr=0.1), lr=0.0))):
+        model.zero_grad(set_to_none=True)
+        _one_backward(model, opt)
+        result = opt.step(rule)
+        assert result.clip["layers_clipped"] == 1.0  # head matched by name and clipped; the rest unbounded
+        assert result.clip["grad_norm_clipped"] < result.grad_norm
 
 
 @pytest.mark.gpu

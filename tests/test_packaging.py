@@ -20,7 +20,7 @@ def test_every_subpackage_and_csrc_ship_in_the_wheel():
 
 def test_import_ftlib_pulls_in_no_optional_dependency():
     code = ("import sys, ftlib, ftlib.models, ftlib.data, ftlib.lora, ftlib.optim, ftlib.clip, ftlib.sched, "
-            "ftlib.losses, ftlib.kernels; "
+            "ftlib.losses, ftlib.kernels, ftlib.preference, ftlib.data.pairs, ftlib.data.pair_batches; "
             "bad = [m for m in ('triton', 'flash_attn', 'bitsandbytes', 'transformers', 'peft', 'datasets') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

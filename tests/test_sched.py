@@ -310,3 +310,15 @@ def test_plateau_hybrid_cap_holds_without_observations():
     s3 = PlateauCosine(100, warmup=10, cap=50)
     s3.observe(1.0, 57.0)
     assert s3.decay_start == 50.0
+
+
+def test_wsd_errors_name_the_decay_phase():
+    """A bad WSD decay length is reported as the decay's, not the warmup's."""
+    with pytest.raises(ValueError, match=r"^decay \(150.0\) is longer than total \(100\)$"):
+        WSD(total=100, decay=150)
+    with pytest.raises(ValueError, match=r"^decay must be >= 0"):
+        WSD(total=100, decay=-1)
+    with pytest.raises(ValueError, match=r"^decay_ratio must be in \[0, 1\]"):
+        WSD(total=100, decay_ratio=1.5)
+    with pytest.raises(ValueError, match=r"^warmup \(101.0\) is longer than total"):
+        WSD(total=100, warmup=101)

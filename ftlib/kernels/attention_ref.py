@@ -11,7 +11,7 @@ A query may see key j when j is in the same document and, if ``causal``, when
 so a decoding step with Tq=1 sees the whole cache). Rows that see no key at all
 (fully padded) return zeros and ``lse = -inf`` instead of NaN.
 
-Layouts (DESIGN.md "Attention op"):
+Layouts (the ones ``ftlib.kernels.attention`` accepts):
 
 - dense:  q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], optional ``key_padding_mask``
   [B, Tk] (True/1 = real token);

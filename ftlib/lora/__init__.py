@@ -28,8 +28,15 @@ from .dora import dora_row_norm, dora_row_norm_direct
 from .layers import LoRALinear
 from .nf4 import NF4Linear, dequantize_nf4, quantize_nf4
 from .peft_io import adapter_state_dict, load_adapter, save_adapter
+from .rank_decay import ExponentialRank, RankDecay, ShrinkReport, StepRanks, lora_spectrum, shrink_lora
 
 __all__ = [
+    "ExponentialRank",
+    "RankDecay",
+    "ShrinkReport",
+    "StepRanks",
+    "lora_spectrum",
+    "shrink_lora",
     "LoRAConfig",
     "LoRALinear",
     "NF4Linear",

@@ -6,6 +6,16 @@ those of ``modules_to_save`` (trained in place), and logs the trainable count. I
 works on any ``nn.Module`` with ``nn.Linear`` children. Module swap with a filter as
 the entry point follows torchao's ``convert_to_float8_training``.
 
+Tied weights (an ``lm_head`` sharing the embedding matrix, Llama-3.2 / Qwen2 style) follow
+PEFT 0.21. ``modules_to_save=["lm_head"]`` unties: the head trains its own copy, the
+embedding keeps the frozen original (with ``ensure_weight_tying=True`` the shared matrix is
+trained in place for both instead). LoRA on a tied ``lm_head`` leaves the shared base frozen;
+merging it (``merge_lora``) first gives the head its own copy of the base, so the embedding
+never takes the update (PEFT's merge writes it into the embedding too, changing the model's
+outputs; ftlib's merged model computes what the adapted one did). ``unmerge_lora`` re-ties.
+``merge_and_unload`` leaves such a head untied and sets ``config.tie_word_embeddings=False``
+so ``save_pretrained`` keeps it.
+
 LoRA+ (Hayou et al., arXiv:2402.12354) trains B with a learning rate ``ratio`` times
 that of A (ratio ~ 16); :func:`lora_plus_param_groups` returns the optimizer groups.
 
@@ -71,6 +81,25 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
+def _names_by_param(model: nn.Module) -> dict[int, list[str]]:
+    """``{id(parameter): every name it has in model}`` (a tied weight has several)."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return names
+
+
+def _tied_outside(model: nn.Module, module_name: str) -> dict[str, list[str]]:
+    """``{parameter name inside module_name: [its names outside that module]}`` for its tied weights."""
+    names = _names_by_param(model)
+    out = {}
+    for pname, p in model.get_submodule(module_name).named_parameters(remove_duplicate=False):
+        others = [n for n in names[id(p)] if not n.startswith(module_name + ".")]
+        if others:
+            out[pname] = others
+    return out
+
+
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
     """``(name, layer)`` for every ``LoRALinear`` in ``model``."""
     for name, mod in model.named_modules():
@@ -106,8 +135,19 @@ def plan_lora(model: nn.Module, config: LoRAConfig) -> tuple[LoRAConfig, list[tu
             f"linear layers in this model include {linears[:8]}{' ...' if len(linears) > 8 else ''}"
         )
     for name, mod in targets:
+        if isinstance(mod, nn.Embedding):
+            raise TypeError(f"apply_lora: target {name!r} is an Embedding; ftlib adapts linear layers only (LoRA on "
+                            "embeddings, PEFT's lora_embedding_A/B, is not implemented): train it in full with "
+                            "modules_to_save instead")
         if not isinstance(mod, (nn.Linear, NF4Linear)):
             raise TypeError(f"apply_lora: target {name!r} is a {type(mod).__name__}; only linear layers can be adapted")
+        if config.ensure_weight_tying and (tied := _tied_outside(model, name)):
+            raise ValueError(
+                f"apply_lora: ensure_weight_tying=True with a LoRA target {name!r} whose weight is tied to "
+                f"{sorted(n for v in tied.values() for n in v)}: PEFT then ties it to a LoRA adapter on the embedding "
+                "(lora_embedding_A/B), which ftlib does not implement. Set ensure_weight_tying=False (LoRA on "
+                f"{name} alone, the shared weight stays frozen) or train it in full with modules_to_save"
+            )
     save_names: list[str] = []
     for pat in config.modules_to_save:
         found = [n for n, _ in model.named_modules() if n and matches_any(n, [pat])]
@@ -121,9 +161,11 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
     """Adapt ``model`` in place as ``config`` says and return it.
 
     Every parameter is frozen except the adapters and the floating-point parameters of
-    ``modules_to_save`` (trained in place; a tied weight, e.g. an ``lm_head`` sharing the
-    embedding matrix, is trained for both). The trainable count and fraction are logged on
-    the ``ftlib.lora`` logger; :func:`count_params` returns them.
+    ``modules_to_save`` (trained in place). A weight of a ``modules_to_save`` module that is tied
+    to another module (an ``lm_head`` sharing the embedding matrix) is untied: the module trains
+    a copy, the other keeps the frozen original, as PEFT does (a warning says so); with
+    ``config.ensure_weight_tying`` it stays shared and trains for both. The trainable count and
+    fraction are logged on the ``ftlib.lora`` logger; :func:`count_params` returns them.
 
     Raises ValueError when a target or ``modules_to_save`` pattern matches nothing, TypeError
     when a matched module is not a linear layer, RuntimeError when the model is already adapted.
@@ -168,13 +210,31 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
         )
         _set_module(model, name, layer)
     for name in save_names:
-        for p in model.get_submodule(name).parameters():
+        mod = model.get_submodule(name)
+        tied = {} if config.ensure_weight_tying else _tied_outside(model, name)
+        for pname, others in tied.items():
+            owner, leaf = _owner(mod, pname)
+            old = getattr(owner, leaf)
+            # PEFT's ModulesToSaveWrapper trains a copy; the tied partner keeps the frozen original
+            setattr(owner, leaf, nn.Parameter(old.detach().clone(), requires_grad=False))
+            warnings.warn(
+                f"apply_lora: modules_to_save {name!r}: {name}.{pname} is tied to {others}; training an untied copy "
+                f"(as PEFT does), {others} stay frozen. Pass ensure_weight_tying=True to train the shared weight "
+                "for both", stacklevel=2,
+            )
+        for p in mod.parameters():
             if p.is_floating_point():
                 p.requires_grad_(True)
+    _untie_config(model, "apply_lora")
     object.__setattr__(model, _CONFIG_ATTR, config)
     if verbose:
         log.info("apply_lora: %d layers adapted; %s", n_targets, count_params(model))
     return model
+
+
+def _owner(module: nn.Module, pname: str) -> tuple[nn.Module, str]:
+    owner_name, _, leaf = pname.rpartition(".")
+    return (module.get_submodule(owner_name) if owner_name else module), leaf
 
 
 def trainable_params(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -198,17 +258,35 @@ def count_params(model: nn.Module) -> ParamCount:
     return ParamCount(trainable, total)
 
 
+_TIED_BASE = "_ftlib_tied_base"  # on a LoRALinear merged over a tied base: the shared original
+
+
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight in place (fp32 math); undo with :func:`unmerge_lora`."""
-    for _, layer in lora_layers(model):
+    """Fold every adapter into its base weight in place (fp32 math); undo with :func:`unmerge_lora`.
+
+    A base weight tied to another module (a LoRA ``lm_head`` sharing the embedding) is first
+    replaced by a copy, so the update never reaches the other module; ``unmerge_lora`` puts the
+    shared original back (exactly). That costs one copy of each such weight while merged.
+    """
+    layers = list(lora_layers(model))
+    tied = {name for name, layer in layers if not layer.merged and not layer.is_quantized
+            and _tied_outside(model, f"{name}.base_layer").get("weight")}
+    for name, layer in layers:
+        if name in tied:
+            shared = layer.base_layer.weight
+            layer.base_layer.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+            object.__setattr__(layer, _TIED_BASE, shared)  # not registered: no state_dict entry
         layer.merge()
     return model
 
 
 def unmerge_lora(model: nn.Module) -> nn.Module:
-    """Undo :func:`merge_lora`."""
+    """Undo :func:`merge_lora` (a base that was tied gets the shared original back)."""
     for _, layer in lora_layers(model):
         layer.unmerge()
+        shared = layer.__dict__.pop(_TIED_BASE, None)
+        if shared is not None:
+            layer.base_layer.weight = shared
     return model
 
 
@@ -234,22 +312,69 @@ def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
             layer.disabled = b
 
 
-def merge_and_unload(model: nn.Module, dtype: torch.dtype | None = torch.bfloat16) -> nn.Module:
+def merge_and_unload(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """Replace each ``LoRALinear`` by an ``nn.Linear`` with the merged weight and each remaining
-    ``NF4Linear`` by its dequantized ``nn.Linear``, in ``dtype`` (``None``: the base dtype).
+    ``NF4Linear`` by its dequantized ``nn.Linear``; return the model.
 
-    The merge is computed in fp32 from the unmerged (dequantized) base. Other parameters keep
-    their dtype. The result has no ftlib-specific modules, ready for ``save_pretrained``.
+    ``dtype=None`` (default): each new layer takes its base weight's dtype (an NF4 base: the dtype
+    it was quantized from), so an fp32 model stays fp32 and a bf16 one bf16. A ``dtype`` converts
+    the whole model: every floating parameter and persistent buffer (non-persistent buffers, such
+    as a RoPE ``inv_freq`` kept in fp32, are left alone), one tensor at a time. The merge is
+    computed in fp32 from the unmerged (dequantized) base. A head that no longer shares the
+    embedding's weight gets ``config.tie_word_embeddings = False``. The result has no
+    ftlib-specific modules, ready for ``save_pretrained``.
     """
     # by name, one module at a time: a replaced layer must be unreachable before the next merged
     # weight is built, or a bf16 model would briefly be held twice
     for name in [n for n, _ in lora_layers(model)]:
-        _set_module(model, name, model.get_submodule(name).to_linear(dtype))
+        layer = model.get_submodule(name)
+        layer.__dict__.pop(_TIED_BASE, None)
+        _set_module(model, name, layer.to_linear(dtype))
     for name in [n for n, m in model.named_modules() if isinstance(m, NF4Linear)]:
         _set_module(model, name, model.get_submodule(name).to_linear(dtype))
+    if dtype is not None:
+        with torch.no_grad():
+            for mod in model.modules():
+                for p in mod._parameters.values():
+                    if p is not None and p.is_floating_point() and p.dtype != dtype:
+                        p.data = p.data.to(dtype)  # in place of the Parameter: tied weights stay tied
+                for key, b in mod._buffers.items():
+                    if b is not None and b.is_floating_point() and key not in mod._non_persistent_buffers_set:
+                        mod._buffers[key] = b.to(dtype)
     if getattr(model, _CONFIG_ATTR, None) is not None:
         object.__delattr__(model, _CONFIG_ATTR)
+    _untie_config(model, "merge_and_unload")
     return model
+
+
+def _word_embedding_weights(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(input embedding weight, output head weight): transformers' accessors, or else the model's one
+    ``nn.Embedding`` and its ``lm_head`` (ftlib's Llama)."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if callable(get_in) and callable(get_out):
+        emb, head = get_in(), get_out()
+    else:
+        embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        head = getattr(model, "lm_head", None)
+        if len(embeddings) != 1 or head is None:
+            return None
+        emb = embeddings[0]
+    if isinstance(head, LoRALinear):
+        head = head.base_layer
+    w_in, w_out = getattr(emb, "weight", None), getattr(head, "weight", None)
+    return None if w_in is None or w_out is None else (w_in, w_out)
+
+
+def _untie_config(model: nn.Module, who: str) -> None:
+    """``config.tie_word_embeddings = False`` once the head no longer shares the embedding's weight, so
+    a later ``tie_weights()`` cannot overwrite the head and ``save_pretrained`` stores it."""
+    cfg = getattr(model, "config", None)
+    if not getattr(cfg, "tie_word_embeddings", False):
+        return
+    pair = _word_embedding_weights(model)
+    if pair is not None and pair[0] is not pair[1]:
+        log.info("%s: the output head no longer shares the embedding's weight; config.tie_word_embeddings=False", who)
+        cfg.tie_word_embeddings = False
 
 
 def lora_plus_param_groups(

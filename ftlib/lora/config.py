@@ -23,13 +23,27 @@ from ._match import pattern_value
 
 __all__ = ["LoRAConfig"]
 
-# PEFT config fields naming features ftlib does not implement: an adapter that sets any of
-# them to a truthy value is refused instead of being loaded with a different meaning.
-_UNSUPPORTED_PEFT_FIELDS = (
-    "layers_to_transform", "layers_pattern", "layer_replication", "lora_bias", "use_qalora",
-    "trainable_token_indices", "target_parameters", "alora_invocation_tokens", "use_bdlora",
-    "megatron_config", "arrow_config", "fan_in_fan_out",
+# What ftlib reads from a PEFT adapter_config.json is an allow-list, so an adapter using a feature
+# ftlib does not implement is refused instead of being loaded with a different meaning:
+# - fields ftlib implements (mapped in from_peft_dict);
+_PEFT_FIELDS = (
+    "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "rank_pattern", "alpha_pattern",
+    "use_rslora", "use_dora", "init_lora_weights", "modules_to_save", "ensure_weight_tying", "bias",
 )
+# - bookkeeping that does not change what the adapter computes;
+_PEFT_METADATA = ("peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping",
+                  "peft_version")
+# - features ftlib does not implement, accepted only at their "off" value (PEFT 0.21 defaults), and
+#   settings that only matter when such a feature is on (any value).
+_PEFT_OFF = {
+    "fan_in_fan_out": (False, None), "lora_bias": (False, None), "layers_to_transform": (None, []),
+    "layers_pattern": (None, [], ""), "layer_replication": (None, []), "use_qalora": (False, None),
+    "trainable_token_indices": (None, [], {}), "target_parameters": (None, []), "alora_invocation_tokens": (None, []),
+    "use_bdlora": (None, False), "megatron_config": (None,), "arrow_config": (None,), "loftq_config": (None, {}),
+    "eva_config": (None,), "corda_config": (None,), "lora_ga_config": (None,), "kasa_config": (None,),
+    "velora_config": (None,), "monteclora_config": (None,), "runtime_config": (None, {}, {"ephemeral_gpu_offload": False}),
+}
+_PEFT_ANY = ("qalora_group_size", "megatron_core")  # read by use_qalora / megatron_config only
 
 
 @dataclass
@@ -46,7 +60,13 @@ class LoRAConfig:
         use_rslora: rank-stabilised scaling ``alpha / sqrt(r)``.
         use_dora: weight-decomposed adaptation (a magnitude vector per output unit).
         init: ``"kaiming"`` (A Kaiming-uniform, PEFT's default) or ``"gaussian"`` (A ~ N(0, 1/r^2)); B = 0.
-        modules_to_save: module-name suffixes trained in full (e.g. ``["lm_head"]``).
+        modules_to_save: module-name suffixes trained in full (e.g. ``["lm_head"]``). A weight such a
+            module shares with another (a tied ``lm_head`` and embedding) is untied: the module trains
+            its own copy and the other keeps the frozen original, as PEFT does.
+        ensure_weight_tying: PEFT's option of that name: keep tied weights tied instead. A tied weight of
+            a ``modules_to_save`` module is then trained in place, for both modules (and saved under both
+            names, as PEFT does); a LoRA target with a tied weight is refused (PEFT would put a tied LoRA
+            on the embedding, which ftlib does not implement).
         quantize: ``None`` or ``"nf4"``: store base weights in NF4 (QLoRA).
         quantize_modules: ``"targets"`` (the adapted layers) or ``"all"`` (every ``nn.Linear`` except
             ``modules_to_save`` and ``quantize_skip``).
@@ -66,6 +86,7 @@ class LoRAConfig:
     use_dora: bool = False
     init: str = "kaiming"
     modules_to_save: list[str] = field(default_factory=list)
+    ensure_weight_tying: bool = False
     quantize: str | None = None
     quantize_modules: str = "targets"
     quantize_skip: list[str] = field(default_factory=lambda: ["lm_head"])
@@ -125,6 +146,7 @@ class LoRAConfig:
             "use_dora": self.use_dora,
             "init_lora_weights": True if self.init == "kaiming" else "gaussian",
             "modules_to_save": list(self.modules_to_save) or None,
+            "ensure_weight_tying": self.ensure_weight_tying,
             "bias": "none",
             "fan_in_fan_out": False,
             "lora_bias": False,
@@ -139,9 +161,18 @@ class LoRAConfig:
             raise ValueError(f"{source}: peft_type is {d.get('peft_type')!r}; ftlib loads LORA adapters only")
         if d.get("bias", "none") != "none":
             raise ValueError(f"{source}: bias={d['bias']!r} is not supported (only 'none')")
-        for key in _UNSUPPORTED_PEFT_FIELDS:
-            if d.get(key):
-                raise ValueError(f"{source}: field {key!r}={d[key]!r} is not supported by ftlib")
+        for key, value in d.items():
+            if key in _PEFT_FIELDS or key in _PEFT_METADATA or key in _PEFT_ANY:
+                continue
+            if key in _PEFT_OFF:
+                if any(value == off and type(value) is type(off) for off in _PEFT_OFF[key]):
+                    continue
+                raise ValueError(f"{source}: field {key!r}={value!r} is not supported by ftlib (PEFT feature "
+                                 f"not implemented; only {_PEFT_OFF[key][0]!r} is accepted)")
+            if value in (None, False, [], {}, ""):
+                continue  # a field of a newer PEFT, switched off
+            raise ValueError(f"{source}: field {key!r}={value!r} is not one ftlib implements; it reads "
+                             f"{', '.join(_PEFT_FIELDS)} (and metadata {', '.join(_PEFT_METADATA)})")
         for key in ("r", "lora_alpha", "target_modules"):
             if d.get(key) is None:
                 raise ValueError(f"{source}: missing field {key!r}")
@@ -160,6 +191,7 @@ class LoRAConfig:
             use_rslora=bool(d.get("use_rslora", False)), use_dora=bool(d.get("use_dora", False)),
             init="gaussian" if init == "gaussian" else "kaiming",
             modules_to_save=d.get("modules_to_save") or [],
+            ensure_weight_tying=bool(d.get("ensure_weight_tying", False)),
         )
         kw.update(overrides)
         try:

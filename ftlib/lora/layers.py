@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._fused import fused_forward
 from .dora import dora_row_norm, row_sq_norm
 from .nf4 import NF4Linear
 
@@ -135,6 +136,10 @@ class LoRALinear(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.disabled or self.merged):
+            fused = fused_forward(self, x)  # the fused Triton op on CUDA (FTLIB_LORA_BACKEND), else None
+            if fused is not None:
+                return fused
         result = self.base_layer(x)  # (..., out), includes the bias
         if self.disabled or self.merged:
             return result

@@ -9,16 +9,26 @@ for ``modules_to_save`` modules (PEFT drops its internal ``.default`` / ``module
 segments when saving). ``<module path>`` is the name inside the ``transformers`` model
 (``model.layers.0.self_attn.q_proj``), which ftlib's Llama shares.
 
+Tied weights, as PEFT 0.21 writes them: a ``modules_to_save`` weight kept tied with
+``ensure_weight_tying`` is stored under each of its names (``lm_head.weight`` and
+``model.embed_tokens.weight``); a LoRA target PEFT counts as an embedding layer
+(``lm_head``, ``embed_tokens``) may come with its ``base_layer.weight``, which is checked
+against the model's and loaded into it when it differs (as PEFT does).
+
 Loading checks everything before copying anything: every adapter tensor the model
-expects must be in the file, every tensor in the file must belong to an adapted or
-saved module of this model, and every shape must fit, otherwise a ValueError names
-the file and key. Files are written to a temporary name and renamed into place.
+expects must be in the file (one name of a tied weight is enough; several must agree),
+every tensor in the file must belong to an adapted or saved module of this model, and
+every shape must fit, otherwise a ValueError names the file and key. Files are written
+to a temporary name and renamed into place. ``save_adapter`` records ``task_type``
+(default ``"CAUSAL_LM"``, so ``PeftModel.from_pretrained`` returns a causal-LM model)
+and the base's ``name_or_path`` (``load_pretrained`` sets it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +37,7 @@ from torch import nn
 
 from .._atomic import atomic_write
 from ._match import matches_any
-from .apply import _CONFIG_ATTR, apply_lora, get_lora_config, lora_layers, plan_lora
+from .apply import _CONFIG_ATTR, _names_by_param, apply_lora, get_lora_config, lora_layers, plan_lora
 from .config import LoRAConfig
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_state_dict", "load_adapter", "save_adapter"]
@@ -66,13 +76,13 @@ def save_adapter(
     path: str | os.PathLike,
     *,
     base_model_name_or_path: str | None = None,
-    task_type: str | None = None,
+    task_type: str | None = "CAUSAL_LM",
 ) -> Path:
     """Write ``model``'s adapter to directory ``path`` in PEFT's format; returns the directory.
 
     ``base_model_name_or_path`` defaults to the model's ``name_or_path`` when it has one;
-    ``task_type`` (e.g. ``"CAUSAL_LM"``) is what ``PeftModel.from_pretrained`` uses to pick
-    its wrapper class.
+    ``task_type`` is what ``PeftModel.from_pretrained`` uses to pick its wrapper class:
+    ``"CAUSAL_LM"`` by default (``PeftModelForCausalLM``), ``None`` for a plain ``PeftModel``.
     """
     from safetensors.torch import save_file
 
@@ -136,29 +146,46 @@ def load_adapter(
         raise FileNotFoundError(f"{wfile}: adapter weights not found{other}")
     if check_base:
         want, have = d.get("base_model_name_or_path"), _model_name_or_path(model)
-        if want and have and want != have:
-            raise ValueError(
-                f"{path / ADAPTER_CONFIG}: adapter was trained on base {want!r} but the model is {have!r} "
-                "(pass check_base=False to load anyway)"
-            )
+        if want and have and not _same_base(want, have):
+            msg = (f"{path / ADAPTER_CONFIG}: adapter was trained on base {want!r} but the model is {have!r} "
+                   "(pass check_base=False to load anyway)")
+            if _is_local(want) or _is_local(have):
+                # a local directory's name says little (a copy of a hub model, a checkpoint folder)
+                warnings.warn(msg, stacklevel=2)
+            else:
+                raise ValueError(msg)
 
     # expected key -> shape, from the adapted model or from what apply_lora would build
     existing = getattr(model, _CONFIG_ATTR, None)
     if existing is None:
         try:
             resolved, targets, save_names = plan_lora(model, cfg)
-        except (ValueError, TypeError) as e:
+        except TypeError as e:
+            raise ValueError(f"{path}: {e}") from None
+        except ValueError as e:
             raise ValueError(f"{path}: adapter does not fit this model (another base?): {e}") from None
         shapes: dict[str, tuple[int, ...]] = {}
+        aliases: dict[str, str] = {}  # name -> the first name of its (tied) tensor
+        # "<target>.base_layer.<p>" -> (the model's tensor or None, whether a different one can be loaded)
+        bases: dict[str, tuple[torch.Tensor | None, bool]] = {}
+        names = _names_by_param(model)
         for name, mod in targets:
             r = resolved.rank_for(name)
             shapes[f"{name}.lora_A.weight"] = (r, mod.in_features)
             shapes[f"{name}.lora_B.weight"] = (mod.out_features, r)
             if resolved.use_dora:
                 shapes[f"{name}.lora_magnitude_vector"] = (mod.out_features,)
+            nf4 = resolved.quantize == "nf4" and isinstance(mod, nn.Linear)
+            for pname, p in mod.named_parameters():
+                bases[f"{name}.base_layer.{pname}"] = (p, not nf4)
         for mod_name in save_names:
             for pname, p in model.get_submodule(mod_name).named_parameters():
-                shapes[f"{mod_name}.{pname}"] = tuple(p.shape)
+                key = f"{mod_name}.{pname}"
+                shapes[key] = tuple(p.shape)
+                aliases[key] = key
+                if resolved.ensure_weight_tying:  # kept tied: PEFT stores it under every name
+                    for other in names[id(p)]:
+                        shapes[other], aliases[other] = tuple(p.shape), key
     else:
         merged = [name for name, layer in lora_layers(model) if layer.merged]
         if merged:
@@ -167,7 +194,14 @@ def load_adapter(
                                f"({merged[0]}, ...); call ftlib.lora.unmerge_lora(model) first")
         if not _same_targets(existing, cfg):
             raise ValueError(f"{path / ADAPTER_CONFIG}: config {d} differs from the model's adapter config {existing}")
-        shapes = {k: tuple(p.shape) for k, p in _adapter_params(model).items()}
+        params = _adapter_params(model)
+        shapes = {k: tuple(p.shape) for k, p in params.items()}
+        first: dict[int, str] = {}
+        aliases = {k: first.setdefault(id(p), k) for k, p in params.items()}
+        bases = {}
+        for name, layer in lora_layers(model):
+            for pname, p in layer.base_layer.named_parameters():
+                bases[f"{name}.base_layer.{pname}"] = (None, False) if layer.is_quantized else (p, True)
 
     try:
         with safe_open(str(wfile), framework="pt") as f:
@@ -182,8 +216,9 @@ def load_adapter(
     except SafetensorError as e:
         raise ValueError(f"{wfile}: unreadable safetensors file: {e}") from None
 
+    base_loaded = {k: loaded.pop(k) for k in [k for k in loaded if k in bases]}
     unexpected = sorted(set(loaded) - set(shapes))
-    missing = sorted(set(shapes) - set(loaded))
+    missing = sorted({aliases.get(k, k) for k in shapes} - {aliases.get(k, k) for k in loaded})
     if unexpected:
         raise ValueError(f"{wfile}: tensors for modules this model lacks (adapter for another base?): "
                          f"{[_PREFIX + k for k in unexpected[:5]]}")
@@ -193,25 +228,62 @@ def load_adapter(
         if tuple(t.shape) != shapes[k]:
             raise ValueError(f"{wfile}: {_PREFIX + k} has shape {tuple(t.shape)}, the model needs "
                              f"{shapes[k]} (adapter for another base or rank?)")
+        a = aliases.get(k, k)
+        if a != k and a in loaded and not torch.equal(loaded[a], t):
+            raise ValueError(f"{wfile}: {_PREFIX + a} and {_PREFIX + k} are one tied weight but differ")
+    for k, t in list(base_loaded.items()):
+        have, loadable = bases[k]
+        if have is not None and tuple(t.shape) != tuple(have.shape):
+            raise ValueError(f"{wfile}: {_PREFIX + k} has shape {tuple(t.shape)}, the model's is {tuple(have.shape)}")
+        if have is not None and torch.equal(t.to(have.dtype), have.detach()):
+            del base_loaded[k]  # the base this adapter was saved with is this model's: nothing to load
+        elif not loadable:
+            raise ValueError(f"{wfile}: {_PREFIX + k} differs from this model's base weight, and an NF4 base "
+                             "cannot take it (load without quantize, or on the base the adapter was trained on)")
     # everything checked: only now change the model
     if existing is None:
         apply_lora(model, cfg)
     params = _adapter_params(model)
+    layers = dict(lora_layers(model))
     with torch.no_grad():
         for k, t in loaded.items():
             params[k].copy_(t.to(params[k].dtype))
+        for k, t in base_loaded.items():  # as PEFT: the file's base weight replaces the model's
+            target, _, pname = k.partition(".base_layer.")
+            p = layers[target].base_layer.get_parameter(pname)
+            p.copy_(t.to(p.dtype))
     return model
 
 
+def _is_local(name: str) -> bool:
+    return os.path.isabs(name) or name.startswith(".") or os.path.exists(name)
+
+
+def _same_base(a: str, b: str) -> bool:
+    """Same base model: equal names, or a local directory named like the hub repo (``.../Llama-3.2-1B``)."""
+    if a == b:
+        return True
+    if _is_local(a) or _is_local(b):
+        return Path(a.rstrip("/")).name.lower() == Path(b.rstrip("/")).name.lower()
+    return False
+
+
 def _adapter_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Adapter and ``modules_to_save`` parameters under their PEFT key (without the prefix)."""
+    """Adapter and ``modules_to_save`` parameters under their PEFT key (without the prefix).
+
+    A saved weight still tied to another module (``ensure_weight_tying``) appears under each of
+    its names, as PEFT writes it.
+    """
     out: dict[str, torch.Tensor] = {}
     for name, layer in lora_layers(model):
         out[f"{name}.lora_A.weight"] = layer.lora_A.weight
         out[f"{name}.lora_B.weight"] = layer.lora_B.weight
         if layer.use_dora:
             out[f"{name}.lora_magnitude_vector"] = layer.lora_magnitude_vector
+    names = _names_by_param(model)
     for mod_name in _saved_module_names(model, get_lora_config(model)):
         for pname, p in model.get_submodule(mod_name).named_parameters():
             out[f"{mod_name}.{pname}"] = p
+            for other in names[id(p)]:
+                out.setdefault(other, p)
     return out

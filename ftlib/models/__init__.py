@@ -3,13 +3,23 @@
 - ``LlamaConfig`` / ``LlamaForCausalLM``: the decoder (Llama 2/3/3.1/3.2, Qwen2/2.5, Mistral);
 - ``load_pretrained`` / ``save_pretrained``: config.json + sharded safetensors, loaded tensor by tensor;
 - ``load_tokenizer``: tokenizer.json + special tokens + sandboxed chat template;
-- ``generate`` / ``KVCache``: decoding with a cache that lives outside the model.
+- ``generate`` / ``KVCache``: decoding with a cache that lives outside the model;
+- ``LlamaRewardModel`` / ``score`` / ``save_reward_model`` / ``load_reward_model``: a scalar reward head
+  in ``transformers``' sequence-classification layout.
 """
 
 from .config import LlamaConfig
 from .generate import KVCache, generate, sample_next
 from .hub import load_config, load_pretrained, parse_size, save_pretrained
 from .llama import LlamaForCausalLM, LlamaModel, RMSNorm
+from .reward import (
+    LlamaRewardModel,
+    load_reward_model,
+    pack_documents,
+    pairwise_accuracy,
+    save_reward_model,
+    score,
+)
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .tokenizer import PretrainedTokenizer, load_tokenizer, render_chat_template
 
@@ -18,6 +28,12 @@ __all__ = [
     "LlamaForCausalLM",
     "LlamaModel",
     "RMSNorm",
+    "LlamaRewardModel",
+    "load_reward_model",
+    "pack_documents",
+    "pairwise_accuracy",
+    "save_reward_model",
+    "score",
     "KVCache",
     "generate",
     "sample_next",

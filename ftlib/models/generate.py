@@ -17,7 +17,8 @@ Sampling of the next token from logits z (float32) at the last position:
     temperature T     p = softmax(z / T)
     top-k             keep the k largest z, others -inf
     top-p (nucleus)   keep the smallest set of most likely tokens whose
-                      probability mass reaches p (Holtzman et al. 2019)
+                      probability mass reaches p (Holtzman et al. 2019); p = 1
+                      keeps every token (no filtering, whatever the rounding)
 
 Generation runs under ``torch.no_grad()``; the model's training mode is left as
 the caller set it.
@@ -111,8 +112,9 @@ def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | 
     if top_p is not None:
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_p is not None and top_p < 1.0:  # top_p = 1 keeps every token: no filtering at all
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
+        probs = sorted_logits.double().softmax(-1)  # float64 mass: fp32 rounding must not move the cut
         # drop a token when the mass of the tokens ranked before it already reaches top_p
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)

@@ -25,8 +25,16 @@ holds one tensor at a time (the largest, the embedding, is ~1 GB).
 Every file ``save_pretrained`` writes goes to a temporary name in the target
 directory and is renamed into place; the index (when sharded) is written after
 the shards it names, and stale weight files from an earlier save are removed.
-A sharded save over an earlier one removes the old index first, so a crash in
-the middle leaves a directory that fails to load, never a mix of two saves.
+Any save (sharded or one file) over an earlier sharded one removes the old index
+before writing a weight file, so a crash in the middle leaves a directory that
+fails to load or holds the new weights, never the old shards under the old index
+or a mix of two saves.
+
+``save_pretrained`` writes only the tensor names of a plain ``LlamaForCausalLM``:
+a model with unmerged adapters (``base_layer`` / ``lora_A`` names) or NF4 weights
+is refused, because ``transformers`` would load those layers randomly initialised.
+``load_pretrained`` records its source as ``model.name_or_path`` (an adapter saved
+from the model names its base, as PEFT's ``base_model_name_or_path``).
 """
 
 from __future__ import annotations
@@ -152,6 +160,7 @@ def load_pretrained(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | str
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"{root}: checkpoint is missing tensors {missing[:5]}{more}")
     model.tie_weights()
+    model.name_or_path = str(path_or_repo_id)  # as transformers' name_or_path: save_adapter records it
     return model
 
 
@@ -168,10 +177,36 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * base**power)
 
 
+def _check_plain_names(state: dict, model: nn.Module, root: Path) -> None:
+    """Refuse tensor names a fresh model of ``model``'s class lacks (adapters, NF4 weights, extra modules).
+
+    The class is the model's own (``LlamaForCausalLM``, or a head such as the reward model's), built
+    on the meta device from the config; adapters and NF4 layers replace modules, not the class.
+    """
+    config: LlamaConfig = model.config
+    with torch.device("meta"):
+        expected = set(type(model)(config).state_dict())
+    extra = [k for k in state if k not in expected]
+    if not extra:
+        return
+    shown = ", ".join(extra[:3]) + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")
+    adapted = [k for k in extra if re.search(r"(^|\.)(base_layer|lora_[AB]|lora_magnitude_vector)(\.|$)", k)
+               or k.rsplit(".", 1)[-1] in ("codes", "absmax", "absmax2", "absmax_code", "offset")]
+    if adapted:
+        raise ValueError(
+            f"{root}: the model has unmerged adapters or NF4 weights ({shown}); transformers would load those "
+            "layers randomly initialised. Merge first (ftlib.lora.merge_and_unload(model)) or save the adapter "
+            "alone (ftlib.lora.save_adapter)"
+        )
+    raise ValueError(f"{root}: tensors that are not part of a {config.model_type} model: {shown}")
+
+
 def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> list[str]:
     """Write ``model`` in the Hugging Face layout ``transformers`` loads; return the files written.
 
-    Tensors are copied to CPU one shard at a time. A tied ``lm_head.weight`` is
+    Refuses (ValueError) a model whose tensor names are not a plain ``LlamaForCausalLM``'s, e.g.
+    one with unmerged adapters: "merge first (merge_and_unload) or save_adapter". Tensors are
+    copied to CPU one shard at a time. A tied ``lm_head.weight`` is
     not stored (the config says tie_word_embeddings). Shards are written in
     state_dict order, a new shard starting when the next tensor would pass
     ``max_shard_size``.
@@ -180,9 +215,10 @@ def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_
 
     config: LlamaConfig = model.config
     root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
     limit = parse_size(max_shard_size)
     state = model.state_dict()
+    _check_plain_names(state, model, root)
+    root.mkdir(parents=True, exist_ok=True)
     if config.tie_word_embeddings:
         head, emb = state.pop("lm_head.weight", None), state.get("model.embed_tokens.weight")
         if head is not None and emb is not None and head.data_ptr() != emb.data_ptr() and not torch.equal(head, emb):
@@ -203,9 +239,10 @@ def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_
     n = len(shards)
     names = [_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
-    if n > 1 and (root / _INDEX).exists():
-        # The old index would bind new shards to old ones of the same names if a crash cut this
-        # save short; without it, a half-written save fails to load instead of loading a mix.
+    if (root / _INDEX).exists():
+        # The old index would bind new shards to old ones of the same names, or (for a one-file
+        # save) win over the new model.safetensors, if a crash cut this save short; without it, a
+        # half-written save fails to load instead of loading the old model or a mix.
         (root / _INDEX).unlink()
     written = []
     for fname, keys in zip(names, shards):

@@ -17,7 +17,7 @@ Module names mirror Hugging Face's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
 (``model.layers.0.self_attn.q_proj.weight`` ...). Projections are plain
 ``nn.Linear`` so adapters can wrap them.
 
-Three batch layouts (see DESIGN.md, "Batch"):
+Three batch layouts (the batch contract of ``ftlib.data.collate``):
 
 - plain: ``input_ids`` [B, T], causal attention, positions 0..T-1;
 - padded: plus ``attention_mask`` [B, T] (1 = token, 0 = pad; left or right

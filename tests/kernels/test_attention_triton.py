@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ftlib.kernels.attention_ref import attention_ref
@@ -44,10 +44,10 @@ def _cu(lens, device="cpu"):
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
-def _assert_close(name, got, want, tol):
+def _assert_close(name, got, want, tol, floor=1e-6):
     got = got.double()
     diff = (got - want).abs()
-    scale = max(want.abs().max().item(), 1e-6)
+    scale = max(want.abs().max().item(), floor)
     err = diff.max().item() / scale
     if not err <= tol:
         idx = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
@@ -91,9 +91,13 @@ def _check_against_reference(q, k, v, do, **kw):
     seen = torch.isfinite(lse_ref)
     if seen.any():
         _assert_close("lse", lse[seen], lse_ref[seen], out_tol)
+    # A gradient can be exactly 0 in exact arithmetic (dq of a one-token document: the softmax over one
+    # key has no slope), while the kernel sums terms of the other gradients' size to a rounding residue:
+    # measure each gradient against the largest of the three.
+    floor = max(max(w.abs().max().item() for w in grads_ref), 1e-6)
     for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref):
         assert got.dtype == q.dtype and got.shape == want.shape
-        _assert_close(name, got, want, grad_tol)
+        _assert_close(name, got, want, grad_tol, floor=floor)
     return o, lse, grads
 
 
@@ -223,6 +227,7 @@ def test_unequal_tile_shapes(monkeypatch, tiles, lens, dense_t):
     head_dim=st.sampled_from([8, 16, 24]),
     causal=st.booleans(),
 )
+@example(lens=[1], group=1, head_dim=8, causal=False)  # dq is exactly 0: only rounding residue remains
 def test_any_pack_matches_reference(lens, group, head_dim, causal):
     """Invariant: for any packing of documents, output and gradients equal the float64 reference."""
     n = sum(lens)

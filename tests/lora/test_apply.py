@@ -187,10 +187,97 @@ def test_qlora(toy, quantize_modules):
     assert torch.allclose(out(IDS), y, atol=1e-5)
 
 
-def test_merge_and_unload_default_bf16(toy):
-    m = apply_lora(toy, LoRAConfig(target_modules=["q_proj"]))
+@pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_merge_and_unload_keeps_the_base_dtype(toy, base_dtype, quantize):
+    """Default: every merged (or dequantized) layer in its base's dtype, so the model stays one dtype
+    and runs; an fp32 model is not left half bf16."""
+    m = apply_lora(toy.to(base_dtype), LoRAConfig(target_modules=["q_proj", "v_proj"], quantize=quantize,
+                                                  quantize_modules="all"))
+    _perturb(m)
+    y = m(IDS)
     merge_and_unload(m)
-    assert m.layers[0].q_proj.weight.dtype == torch.bfloat16 and type(m.layers[0].q_proj) is nn.Linear
+    assert {p.dtype for p in m.parameters()} == {base_dtype}
+    assert type(m.layers[0].q_proj) is nn.Linear and type(m.layers[0].o_proj) is nn.Linear
+    tol = 1e-5 if base_dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(m(IDS), y, atol=tol, rtol=tol)
+
+
+def test_merge_and_unload_dtype_converts_the_whole_model(toy):
+    """A dtype converts every floating parameter and persistent buffer (ties kept), leaving
+    non-persistent buffers (e.g. a RoPE inv_freq in fp32) alone."""
+    toy.lm_head.weight = toy.embed.weight  # tied
+    toy.register_buffer("scale", torch.ones(3))
+    toy.register_buffer("inv_freq", torch.ones(3), persistent=False)
+    m = apply_lora(toy, LoRAConfig(target_modules=["q_proj"]))
+    _perturb(m)
+    y = m(IDS)
+    merge_and_unload(m, dtype=torch.bfloat16)
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    assert m.scale.dtype == torch.bfloat16 and m.inv_freq.dtype == torch.float32
+    assert m.lm_head.weight is m.embed.weight
+    torch.testing.assert_close(m(IDS).float(), y, atol=5e-2, rtol=5e-2)
+
+
+class TiedConfig:
+    tie_word_embeddings = True
+
+
+def _tied_toy():
+    torch.manual_seed(0)
+    m = Toy()
+    m.lm_head.weight = m.embed.weight
+    m.config = TiedConfig()
+    return m
+
+
+def test_modules_to_save_on_a_tied_head_trains_an_untied_copy():
+    """As PEFT: the head trains its own copy, the embedding keeps the frozen original; with
+    ensure_weight_tying the shared matrix trains for both."""
+    m = _tied_toy()
+    emb = m.embed.weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"lm_head.weight is tied to \['embed.weight'\]; training an untied copy"):
+        apply_lora(m, LoRAConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    assert m.lm_head.weight is not m.embed.weight and not m.embed.weight.requires_grad
+    assert "lm_head.weight" in trainable_params(m) and "embed.weight" not in trainable_params(m)
+    assert m.config.tie_word_embeddings is False  # a later tie_weights() must not overwrite the trained head
+    opt = torch.optim.SGD(trainable_params(m).values(), lr=1.0)
+    m(IDS).logsumexp(-1).mean().backward()
+    opt.step()
+    assert torch.equal(m.embed.weight, emb) and not torch.equal(m.lm_head.weight, emb)
+
+    m = _tied_toy()
+    apply_lora(m, LoRAConfig(target_modules=["q_proj"], modules_to_save=["lm_head"], ensure_weight_tying=True))
+    assert m.lm_head.weight is m.embed.weight and m.embed.weight.requires_grad
+    assert m.config.tie_word_embeddings is True
+    opt = torch.optim.SGD(trainable_params(m).values(), lr=1.0)
+    m(IDS).logsumexp(-1).mean().backward()
+    opt.step()
+    assert not torch.equal(m.embed.weight, emb)
+
+
+def test_lora_on_a_tied_head_merges_without_touching_the_embedding():
+    """Invariant: merging computes what the adapted model computed; the embedding never takes the
+    head's update; unmerge re-ties exactly; merge_and_unload leaves the head untied."""
+    m = _tied_toy()
+    emb = m.embed.weight.detach().clone()
+    apply_lora(m, LoRAConfig(target_modules=["lm_head", "q_proj"]))
+    _perturb(m)
+    y = m(IDS)
+    merge_lora(m)
+    assert torch.equal(m.embed.weight, emb)
+    torch.testing.assert_close(m(IDS), y, atol=1e-5, rtol=0)
+    assert "lm_head._ftlib_tied_base" not in dict(m.named_parameters())
+    unmerge_lora(m)
+    assert m.lm_head.base_layer.weight is m.embed.weight and torch.equal(m.embed.weight, emb)
+    torch.testing.assert_close(m(IDS), y, atol=1e-5, rtol=0)
+    merge_lora(m)  # merged, then exported
+    merge_and_unload(m)
+    assert type(m.lm_head) is nn.Linear and m.lm_head.weight is not m.embed.weight
+    assert torch.equal(m.embed.weight, emb) and m.config.tie_word_embeddings is False
+    torch.testing.assert_close(m(IDS), y, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="ensure_weight_tying=True with a LoRA target 'lm_head'.*lora_embedding_A/B"):
+        apply_lora(_tied_toy(), LoRAConfig(target_modules=["lm_head"], ensure_weight_tying=True))
 
 
 def test_bad_input(toy):
@@ -198,8 +285,10 @@ def test_bad_input(toy):
         apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules=["qkv_proj"]))
     with pytest.raises(ValueError, match="modules_to_save"):
         apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules=["q_proj"], modules_to_save=["head"]))
-    with pytest.raises(TypeError, match="only linear"):
+    with pytest.raises(TypeError, match="embed' is an Embedding; ftlib adapts linear layers only"):
         apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules=["embed"]))
+    with pytest.raises(TypeError, match="only linear"):
+        apply_lora(copy.deepcopy(toy), LoRAConfig(target_modules=["norm"]))
     for bad in (dict(r=0), dict(r=-2), dict(r=True), dict(r=2.0), dict(dropout=1.0), dict(alpha=0), dict(rank_pattern={"q": 0}),
                 dict(init="xavier"), dict(quantize="int8"), dict(target_modules=[])):
         with pytest.raises(ValueError):

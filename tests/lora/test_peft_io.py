@@ -5,6 +5,7 @@ Skipped when transformers / peft are not installed (both are dev extras).
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -202,3 +203,206 @@ def test_load_into_merged_model_is_refused(base, tmp_path):
     unmerge_lora(target)
     for k, v in target.state_dict().items():
         torch.testing.assert_close(v, before[k], atol=1e-5, rtol=1e-5)
+
+
+# ---- tied embeddings (Qwen2 / Llama-3.2 style): what PEFT 0.21 does, both ways ----------------
+
+TIED = {
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama3.2": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})),
+}
+
+
+def _tied(arch):
+    torch.manual_seed(0)
+    m = TIED[arch]().eval()
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    return m
+
+
+def _peft(base, tmp_path, **kw):
+    """A PEFT adapter with every trainable tensor (LoRA B included) moved off its init, saved to tmp_path."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's warning about tied layers in the adapter
+        pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **kw))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _, p in pm.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    pm.eval().save_pretrained(tmp_path)
+    return pm
+
+
+TIED_CASES = {
+    "modules_to_save": dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]),
+    "modules_to_save+ensure_weight_tying": dict(target_modules=["q_proj"], modules_to_save=["lm_head"],
+                                                ensure_weight_tying=True),
+    "lora_on_tied_head": dict(target_modules=["q_proj", "lm_head"]),
+}
+
+
+@pytest.mark.parametrize("case", list(TIED_CASES))
+@pytest.mark.parametrize("arch", list(TIED))
+def test_tied_peft_adapter_loads_in_ftlib(arch, case, tmp_path):
+    """PEFT -> ftlib on a tied model: the same logits as PEFT's model (PEFT trains an untied copy of a
+    saved head; keeps it tied with ensure_weight_tying; LoRA on the head leaves the shared base)."""
+    base = _tied(arch)
+    pm = _peft(base, tmp_path, **TIED_CASES[case])
+    emb = base.model.embed_tokens.weight.detach().clone()
+    m = load_adapter(copy.deepcopy(base), tmp_path)
+    torch.testing.assert_close(_logits(m), _logits(pm), atol=1e-5, rtol=1e-5)
+    if case == "modules_to_save":
+        assert torch.equal(m.model.embed_tokens.weight, emb) and m.lm_head.weight is not m.model.embed_tokens.weight
+    if case == "lora_on_tied_head":  # merged, the model still computes the same; the embedding is untouched
+        from ftlib.lora import merge_lora
+
+        merge_lora(m)
+        torch.testing.assert_close(_logits(m), _logits(pm), atol=1e-5, rtol=1e-5)
+        assert torch.equal(m.model.embed_tokens.weight, emb)
+
+
+@pytest.mark.parametrize("case", list(TIED_CASES))
+@pytest.mark.parametrize("arch", list(TIED))
+def test_tied_ftlib_adapter_loads_in_peft(arch, case, tmp_path):
+    """ftlib -> PEFT on a tied model, after a training step: PEFT's model gives ftlib's logits."""
+    base = _tied(arch)
+    kw = TIED_CASES[case]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = apply_lora(copy.deepcopy(base), LoRAConfig(r=4, alpha=8, **kw))
+    opt = torch.optim.SGD(trainable_params(m).values(), lr=0.5)
+    for _ in range(2):  # a real step: B leaves zero, the saved head moves
+        opt.zero_grad()
+        m(input_ids=IDS).logits.logsumexp(-1).mean().backward()
+        opt.step()
+    save_adapter(m, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path).eval()
+    torch.testing.assert_close(_logits(pm), _logits(m.eval()), atol=1e-5, rtol=1e-5)
+    assert isinstance(pm, peft.PeftModelForCausalLM)  # task_type CAUSAL_LM by default
+    untie_warned = any("training an untied copy" in str(w.message) for w in caught)
+    assert untie_warned == (case == "modules_to_save")
+    keys = set(load_file(tmp_path / "adapter_model.safetensors"))
+    if "ensure_weight_tying" in kw:  # stored under both names, as PEFT writes it
+        assert {"base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"} <= keys
+
+
+@pytest.mark.parametrize("case", ["modules_to_save", "lora_on_tied_head"])
+def test_tied_head_merged_export_reloads_in_transformers(case, tmp_path):
+    """merge_and_unload leaves a trained head untied and says so in the config: transformers reloads
+    the saved model with that head (a tied config would rebuild it from the embedding)."""
+    base = _tied("qwen2")
+    import warnings as w
+
+    with w.catch_warnings():
+        w.simplefilter("ignore")
+        m = apply_lora(copy.deepcopy(base), LoRAConfig(r=4, alpha=8, **TIED_CASES[case]))
+    _perturb(m)
+    want = _logits(m)
+    merged = merge_and_unload(m)
+    assert merged.config.tie_word_embeddings is False
+    merged.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(_logits(reloaded), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(reloaded.model.embed_tokens.weight, base.model.embed_tokens.weight)
+
+
+def test_ftlib_model_with_tied_head_exports_for_transformers(tmp_path):
+    """ftlib's own Qwen2 (tied) with modules_to_save=["lm_head"]: merge_and_unload + save_pretrained
+    give a checkpoint transformers loads to the same logits, in the model's own dtype."""
+    from ftlib.models import LlamaConfig, LlamaForCausalLM, save_pretrained
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(model_type="qwen2", vocab_size=61, hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         qkv_bias=True, tie_word_embeddings=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_lora(model, LoRAConfig(r=4, alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    _perturb(model)
+    want = _logits(model)
+    save_pretrained(merge_and_unload(model), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and cfg["dtype"] == "float32"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(_logits(reloaded), want, atol=1e-5, rtol=1e-5)
+
+
+def test_adapter_records_its_base_and_task_type(tmp_path):
+    """load_pretrained keeps its source; save_adapter writes it as base_model_name_or_path with
+    task_type CAUSAL_LM, so PEFT's AutoPeftModelForCausalLM rebuilds base + adapter from the file."""
+    from ftlib.models import LlamaConfig, LlamaForCausalLM, load_pretrained, save_pretrained
+
+    torch.manual_seed(0)
+    save_pretrained(LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
+                    tmp_path / "base")
+    m = apply_lora(load_pretrained(tmp_path / "base"), LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    _perturb(m)
+    save_adapter(m, tmp_path / "adapter")
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(tmp_path / "base") and cfg["task_type"] == "CAUSAL_LM"
+    pm = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()
+    assert isinstance(pm, peft.PeftModelForCausalLM)
+    torch.testing.assert_close(_logits(pm), _logits(m), atol=1e-5, rtol=1e-5)
+    save_adapter(m, tmp_path / "plain", task_type=None)
+    assert json.loads((tmp_path / "plain" / "adapter_config.json").read_text())["task_type"] is None
+
+
+def test_peft_fields_are_read_by_an_allow_list(base, tmp_path):
+    """Every field of a real PEFT 0.21 config is known; a feature ftlib does not implement (at any
+    value but its off value), or an unknown field that is set, is refused naming the field."""
+    pc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    peft.get_peft_model(copy.deepcopy(base), pc).save_pretrained(tmp_path / "real")
+    real = json.loads((tmp_path / "real" / "adapter_config.json").read_text())
+    load_adapter(copy.deepcopy(base), tmp_path / "real")  # every default field accepted
+    for key, value in [("use_qalora", True), ("trainable_token_indices", [1, 2]), ("target_parameters", ["mlp.w"]),
+                       ("lora_ga_config", {"bsz": 2}), ("eva_config", {"rho": 2.0}), ("kasa_config", {"beta": 0.1}),
+                       ("layer_replication", [[0, 1]]), ("monteclora_config", {"n": 1}), ("fan_in_fan_out", True),
+                       ("some_future_option", {"on": True})]:
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "adapter_config.json").write_text(json.dumps(dict(real, **{key: value})))
+        (tmp_path / key / "adapter_model.safetensors").write_bytes(
+            (tmp_path / "real" / "adapter_model.safetensors").read_bytes())
+        plain = copy.deepcopy(base)
+        with pytest.raises(ValueError, match=f"field '{key}'=.* (is not supported by ftlib|is not one ftlib implements)"):
+            load_adapter(plain, tmp_path / key)
+        assert not list(lora_layers(plain))
+    (tmp_path / "newer").mkdir()
+    (tmp_path / "newer" / "adapter_config.json").write_text(json.dumps(dict(real, some_future_option=None)))
+    (tmp_path / "newer" / "adapter_model.safetensors").write_bytes(
+        (tmp_path / "real" / "adapter_model.safetensors").read_bytes())
+    load_adapter(copy.deepcopy(base), tmp_path / "newer")  # a newer PEFT's field, switched off
+
+
+def test_base_name_check_compares_what_the_user_means(base, tmp_path):
+    """A local copy of a hub model (same directory name) loads the hub model's adapter; a local
+    directory named otherwise warns; two different hub ids are refused."""
+    m = apply_lora(copy.deepcopy(base), LoRAConfig(r=2, alpha=4, target_modules=["q_proj"]))
+    save_adapter(m, tmp_path / "a", base_model_name_or_path="meta-llama/Llama-3.2-1B")
+    local = tmp_path / "models" / "Llama-3.2-1B"
+    local.mkdir(parents=True)
+    for name, expect in [(str(local), None), (str(tmp_path / "models" / "step-100"), UserWarning),
+                         ("org/other", ValueError)]:
+        b = copy.deepcopy(base)
+        b.name_or_path = name
+        if expect is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                load_adapter(b, tmp_path / "a")
+        elif expect is UserWarning:
+            with pytest.warns(UserWarning, match="trained on base 'meta-llama/Llama-3.2-1B'"):
+                load_adapter(b, tmp_path / "a")
+        else:
+            with pytest.raises(ValueError, match="check_base=False"):
+                load_adapter(b, tmp_path / "a")

@@ -92,6 +92,26 @@ def test_sample_next_stays_inside_top_k_and_nucleus(seed, top_k, top_p):
     assert (above < top_p + 1e-6).all()
 
 
+def test_top_p_one_is_a_no_op(monkeypatch):
+    """Invariant: top_p=1.0 samples from the plain softmax, even where the fp32 running mass reaches 1
+    before the last token (a dominant logit: p0 rounds to 1.0, the tail still has mass)."""
+    seen = []
+    real = torch.multinomial
+
+    def spy(probs, n, generator=None):
+        seen.append(probs.clone())
+        return real(probs, n, generator=generator)
+
+    monkeypatch.setattr(torch, "multinomial", spy)
+    # p0 rounds to 1 in fp32 (row 0) and even in float64 (row 1); the tail keeps mass > 0 in fp32
+    logits = torch.tensor([[20.0] + [0.0] * 7, [40.0] + [0.0] * 7, [3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0]])
+    for temperature in (1.0, 0.7):
+        sample_next(logits, temperature=temperature, top_p=1.0)
+        sample_next(logits, temperature=temperature)
+        with_p, without = seen[-2], seen[-1]
+        assert torch.equal(with_p, without) and bool((with_p > 0).all())
+
+
 def test_generate_rejects_bad_inputs(make_model):
     model = make_model()
     ids = torch.randint(0, 128, (2, 4))

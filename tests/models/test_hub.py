@@ -209,3 +209,57 @@ def test_save_refuses_to_drop_an_untied_lm_head(make_model, tmp_path):
     with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
         save_pretrained(model, tmp_path / "bad")
     assert not (tmp_path / "bad" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_save_refuses_unmerged_adapters(make_model, tmp_path, quantize):
+    """Unmerged adapters (base_layer / lora_A names) or NF4 weights would load in transformers as
+    randomly initialised layers: refused with the way out; after merge_and_unload the save works."""
+    from ftlib.lora import LoRAConfig, apply_lora, merge_and_unload
+
+    model = apply_lora(make_model(), LoRAConfig(r=2, target_modules=["q_proj"], quantize=quantize,
+                                                quantize_modules="all"))
+    with pytest.raises(ValueError, match=r"unmerged adapters .*base_layer.*Merge first \(ftlib.lora.merge_and_unload"
+                                         r"\(model\)\) or save the adapter alone \(ftlib.lora.save_adapter\)"):
+        save_pretrained(model, tmp_path / "adapted")
+    assert not (tmp_path / "adapted").exists()
+    merged = merge_and_unload(model)
+    save_pretrained(merged, tmp_path / "merged")
+    _assert_same_weights(merged, load_pretrained(tmp_path / "merged"))
+
+
+def test_crash_while_saving_one_file_over_a_sharded_save_never_loads_the_old_shards(make_model, tmp_path, monkeypatch):
+    """A one-file save over a sharded one: a crash before the cleanup must not leave the old index
+    naming the old shards (that would load the old model as if it were the new one)."""
+    import safetensors.torch
+
+    old, new = make_model(seed=0), make_model(seed=1)
+    save_pretrained(old, tmp_path, max_shard_size="20KB")
+    real = safetensors.torch.save_file
+
+    def dies(tensors, path, metadata=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies)
+    with pytest.raises(KeyboardInterrupt):
+        save_pretrained(new, tmp_path)
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+        load_pretrained(tmp_path)
+
+    def no_more_writes(*args):
+        raise KeyboardInterrupt
+
+    def dies_after_weights(tensors, path, metadata=None):  # the weights land, config.json and cleanup do not
+        real(tensors, path, metadata=metadata)
+        monkeypatch.setattr("ftlib.models.hub.atomic_write", no_more_writes)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_after_weights)
+    with pytest.raises(KeyboardInterrupt):
+        save_pretrained(new, tmp_path)
+    _assert_same_weights(new, load_pretrained(tmp_path))
+
+
+def test_load_pretrained_records_its_source(make_model, tmp_path):
+    save_pretrained(make_model(), tmp_path)
+    assert load_pretrained(tmp_path).name_or_path == str(tmp_path)
+    assert load_pretrained(str(tmp_path)).name_or_path == str(tmp_path)

@@ -65,3 +65,75 @@ def test_reader_rejects_broken_header_bytes(tmp_path):
     path.write_bytes(struct.pack("<Q", 3) + b"{x}")
     with pytest.raises(ValueError, match="header is not JSON"):
         SafetensorsReader(path)
+
+
+def _entry(dtype, shape, begin, end):
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+# (header, data) pairs written by hand: valid files with every dtype the format defines, and
+# headers the reference reader refuses (overlap, gap, not from 0, trailing bytes, bad dims ...)
+HEADERS = {
+    "u16": ({"a": _entry("U16", [2], 0, 4)}, b"\1\0\2\0"),
+    "u32": ({"a": _entry("U32", [1], 0, 4)}, b"\1\0\0\0"),
+    "u64": ({"a": _entry("U64", [1], 0, 8)}, b"\1" + b"\0" * 7),
+    "f8_e8m0": ({"a": _entry("F8_E8M0", [2], 0, 2)}, b"\x7f\x80"),
+    "f8_fnuz": ({"a": _entry("F8_E4M3FNUZ", [1], 0, 1), "b": _entry("F8_E5M2FNUZ", [1], 1, 2)}, b"\1\2"),
+    "c64": ({"a": _entry("C64", [1], 0, 8)}, b"\0\0\x80\x3f\0\0\0\x40"),
+    "f4_packed": ({"a": _entry("F4", [2, 2], 0, 2)}, b"\x21\x43"),
+    "out_of_order": ({"a": _entry("F32", [1], 4, 8), "b": _entry("F32", [1], 0, 4)}, b"\0" * 8),
+    "empty_between": ({"a": _entry("F32", [1], 0, 4), "z": _entry("F32", [0], 4, 4), "b": _entry("I8", [4], 4, 8)},
+                      b"\0" * 8),
+    "no_tensors": ({"__metadata__": {"format": "pt"}}, b""),
+    "overlap": ({"a": _entry("F32", [2], 0, 8), "b": _entry("F32", [1], 4, 8)}, b"\0" * 8),
+    "same_span": ({"a": _entry("F32", [2], 0, 8), "b": _entry("F32", [2], 0, 8)}, b"\0" * 8),
+    "gap": ({"a": _entry("F32", [1], 0, 4), "b": _entry("F32", [1], 8, 12)}, b"\0" * 12),
+    "not_from_zero": ({"a": _entry("F32", [1], 4, 8)}, b"\0" * 8),
+    "trailing_bytes": ({"a": _entry("F32", [2], 0, 8)}, b"\0" * 12),
+    "end_before_begin": ({"a": _entry("F32", [0], 8, 0)}, b"\0" * 8),
+    "negative_dims": ({"a": _entry("F32", [-1, -2], 0, 8)}, b"\0" * 8),
+    "float_dim": ({"a": _entry("F32", [2.0], 0, 8)}, b"\0" * 8),
+    "bool_offset": ({"a": _entry("U8", [1], False, True)}, b"\0"),
+    "f4_half_byte": ({"a": _entry("F4", [3], 0, 2)}, b"\0\0"),
+    "metadata_not_str": ({"__metadata__": {"n": 1}, "a": _entry("F32", [2], 0, 8)}, b"\0" * 8),
+}
+
+
+@pytest.mark.parametrize("case", list(HEADERS))
+def test_reader_agrees_with_the_reference_reader(tmp_path, case):
+    """Invariant: a file the reference reader (safetensors' safe_open) loads, this reader loads to
+    the same dtype, shape and bytes; a file it refuses, this reader refuses with the file's name."""
+    from safetensors import SafetensorError, safe_open
+
+    header, data = HEADERS[case]
+    path = tmp_path / f"{case}.safetensors"
+    _write_raw(path, header, data)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            ref = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError:
+        ref = None
+    if ref is None:
+        with pytest.raises(ValueError, match=f"{case}.safetensors: corrupt or truncated safetensors file"):
+            with SafetensorsReader(path) as r:
+                [r.read(k) for k in r.keys()]
+        return
+    with SafetensorsReader(path) as r:
+        got = {k: r.read(k) for k in r.keys()}
+    assert got.keys() == ref.keys()
+    for k, v in ref.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_reader_header_limits_and_unreadable_dtypes(tmp_path):
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(struct.pack("<Q", 100_000_001) + b"{}")
+    with pytest.raises(ValueError, match="above the format's limit of 100000000 bytes"):
+        SafetensorsReader(path)
+    # F6 is a dtype of the format without a torch dtype: the header is valid, reading names the tensor
+    _write_raw(path, {"a": _entry("F6_E2M3", [4], 0, 3)}, b"\1\2\3")
+    with SafetensorsReader(path) as r:
+        assert r.shape("a") == (4,)
+        with pytest.raises(ValueError, match="tensor 'a' has dtype F6_E2M3"):
+            r.read("a")

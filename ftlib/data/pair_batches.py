@@ -1,0 +1,339 @@
+"""Batches of preference pairs: padding-free packing with (pair, side) bookkeeping, the padded
+layout, a resumable loader, and reward-margin filtering.
+
+Packed layout (``collate_pairs_packed``). Each pair becomes two documents, prompt + chosen and
+prompt + rejected, placed next to each other in the same row, each its own attention segment
+(``cu_seqlens``; no token sees the other side). Rows of ``seq_len`` tokens are filled by
+best-fit decreasing over the pairs' footprints ``2 p + c + r`` (``ftlib.data.packing.pack``), so
+both members of a pair are always in the same row, hence the same micro-batch. The batch follows
+the packed batch contract of ``ftlib.data.collate`` (``input_ids``, ``labels`` with -100 off the responses and on each
+segment's first token, ``position_ids``, ``cu_seqlens``, ``max_seqlen``) plus the bookkeeping:
+
+    pair_ids        int64 [P]  the cache pair id of each pair in the batch
+    chosen_index    int64 [P]  index of the pair's chosen document among the cu_seqlens segments
+    rejected_index  int64 [P]  same for the rejected one (padding tails are segments no pair names)
+    margin          float64 [P]  reward margin (NaN when the pair has no scores)
+    ref_chosen, ref_rejected   float64 [P]  precomputed reference log-probs, when the cache has them
+
+Padded layout (``collate_pairs_padded``), the common one: 2P rows, the P chosen sequences then
+the P rejected ones, right-padded to the longest (``attention_mask``); ``chosen_index =
+arange(P)``, ``rejected_index = P + arange(P)`` index rows. Both layouts give the same per-pair
+log-probabilities (``ftlib.preference.pair_logps`` reads either).
+
+Loader order (``PairLoader``): the rules of ``ftlib.data.TokenLoader`` with a unit = a packed row
+(``packing=True``) or a pair: epoch e's order is ``default_rng([seed, e]).permutation``, cut into
+global steps of ``batch_size * world_size`` units, rank r taking its slice; ``drop_last`` keeps
+ranks in lock-step; ``state_dict()`` / ``load_state_dict()`` resume exactly.
+
+Reward-margin filtering (``MarginFilter``), rejection sampling on scored pairs: per batch the
+margins are z-scored, ``z_i = (m_i - mean(m)) / std(m)`` over the batch's scored pairs, and pair
+i is kept iff ``z_i > tau(step)`` with
+
+    tau(step) = max(floor, start * decay ** (step // every))      (default 0.3, 0.95, 100, 0.05)
+
+i.e. the clearest preferences first, relaxing over training. With z-scores a threshold tau keeps
+about ``1 - Phi(tau)`` of a batch (38 % at 0.3, 48 % at 0.05). At least ``min_keep`` scored
+pairs (the highest z) are kept; a batch with fewer than two scored pairs, or all margins equal,
+keeps them all; unscored pairs (NaN margin) are always kept. Kept, dropped and unscored pairs
+are counted (``filter.counts``). Dropped pairs are removed from the batch before the forward, and
+packed rows are compacted and trimmed, so they cost no compute.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .collate import length_grouped_batches, pad_collate
+from .packing import pack
+
+__all__ = ["collate_pairs_packed", "collate_pairs_padded", "select_pairs", "PairLoader", "MarginFilter"]
+
+_PER_PAIR = ("pair_ids", "margin", "ref_chosen", "ref_rejected")
+
+
+def _pair_extras(cache, pair_ids: np.ndarray) -> dict:
+    out = {"pair_ids": torch.from_numpy(pair_ids.astype(np.int64)),
+           "margin": torch.from_numpy(cache.effective_margin[pair_ids].astype(np.float64))}
+    if cache.reference is not None:
+        out["ref_chosen"] = torch.from_numpy(cache.reference["chosen"][pair_ids].astype(np.float64))
+        out["ref_rejected"] = torch.from_numpy(cache.reference["rejected"][pair_ids].astype(np.float64))
+    return out
+
+
+def collate_pairs_packed(cache, plan, rows, pad_id: int) -> dict:
+    """Packed batch of the pairs in ``rows`` of ``plan`` (a ``PackPlan`` over pair footprints)."""
+    T, B = plan.seq_len, len(rows)
+    ids = np.full((B, T), pad_id, dtype=np.int64)
+    labels = np.full((B, T), -100, dtype=np.int64)
+    pos = np.zeros((B, T), dtype=np.int64)
+    cu, pair_ids, chosen_idx, rejected_idx = [0], [], [], []
+    for b, r in enumerate(rows):
+        p = 0
+        for d, _, _ in plan.row(int(r)):
+            pair_ids.append(d)
+            for side, where in (("chosen", chosen_idx), ("rejected", rejected_idx)):
+                tok, loss = cache.sequence(d, side)
+                n = len(tok)
+                ids[b, p : p + n] = tok
+                labels[b, p : p + n] = np.where(loss != 0, tok, -100)
+                labels[b, p] = -100  # first token of a segment: nothing in the segment predicts it
+                pos[b, p : p + n] = np.arange(n)
+                p += n
+                where.append(len(cu) - 1)
+                cu.append(b * T + p)
+        if p < T:  # padding tail: its own segment
+            pos[b, p:] = np.arange(T - p)
+            cu.append((b + 1) * T)
+    cu_arr = np.asarray(cu, dtype=np.int32)
+    return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(pos), "cu_seqlens": torch.from_numpy(cu_arr),
+            "max_seqlen": int(np.diff(cu_arr).max()) if B else 0,
+            "chosen_index": torch.tensor(chosen_idx, dtype=torch.int64),
+            "rejected_index": torch.tensor(rejected_idx, dtype=torch.int64),
+            **_pair_extras(cache, np.asarray(pair_ids, dtype=np.int64))}
+
+
+def collate_pairs_padded(cache, pair_ids, pad_id: int, *, pad_to_multiple_of: int | None = None,
+                         padding_side: str = "right") -> dict:
+    """Padded batch: chosen rows 0..P-1, rejected rows P..2P-1, padded to the longest of all 2P."""
+    pair_ids = np.asarray(pair_ids, dtype=np.int64)
+    docs = [cache.sequence(int(d), "chosen") for d in pair_ids] + [cache.sequence(int(d), "rejected") for d in pair_ids]
+    batch = pad_collate(docs, pad_id, pad_to_multiple_of=pad_to_multiple_of, padding_side=padding_side)
+    P = len(pair_ids)
+    return {**batch, "chosen_index": torch.arange(P), "rejected_index": torch.arange(P, 2 * P),
+            **_pair_extras(cache, pair_ids)}
+
+
+def select_pairs(batch: dict, keep: torch.Tensor, pad_id: int = 0) -> dict:
+    """The batch with only the pairs where ``keep`` [P] is True (packed rows compacted and trimmed)."""
+    keep = torch.as_tensor(keep, dtype=torch.bool)
+    ci, ri = batch["chosen_index"], batch["rejected_index"]
+    if keep.shape != ci.shape:
+        raise ValueError(f"keep must be [{ci.numel()}], got {tuple(keep.shape)}")
+    out = {k: v[keep] for k, v in batch.items() if k in _PER_PAIR}
+    K = int(keep.sum())
+    if "cu_seqlens" not in batch:  # padded: select rows, then drop the columns that are padding everywhere
+        rows = torch.cat([ci[keep], ri[keep]])
+        sel = {k: batch[k].index_select(0, rows) for k in ("input_ids", "labels", "attention_mask")}
+        cols = sel["attention_mask"].any(0).nonzero().squeeze(1)
+        a, b = (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, 0)
+        out.update({k: v[:, a:b] for k, v in sel.items()})
+        return {**batch, **out, "chosen_index": torch.arange(K), "rejected_index": torch.arange(K, 2 * K)}
+    T = batch["input_ids"].shape[1]
+    cu = batch["cu_seqlens"].tolist()
+    segs = sorted(torch.cat([ci[keep], ri[keep]]).tolist())  # kept segments in their original order
+    by_row: dict[int, list[int]] = {}
+    for s in segs:
+        by_row.setdefault(cu[s] // T, []).append(s)
+    width = max((sum(cu[s + 1] - cu[s] for s in ss) for ss in by_row.values()), default=0)
+    flat = {k: batch[k].reshape(-1) for k in ("input_ids", "labels", "position_ids")}
+    new = {k: torch.full((len(by_row), width), -100 if k == "labels" else 0, dtype=v.dtype) for k, v in flat.items()}
+    new["input_ids"].fill_(pad_id)
+    new_cu, new_seg = [0], {}
+    for b, ss in enumerate(by_row.values()):
+        p = 0
+        for s in ss:
+            n = cu[s + 1] - cu[s]
+            for k in flat:
+                new[k][b, p : p + n] = flat[k][cu[s] : cu[s] + n]
+            p += n
+            new_seg[s] = len(new_cu) - 1
+            new_cu.append(b * width + p)
+        if p < width:
+            new["position_ids"][b, p:] = torch.arange(width - p)
+            new_cu.append((b + 1) * width)
+    cu_t = torch.tensor(new_cu, dtype=torch.int32)
+    out.update(new)
+    out.update(cu_seqlens=cu_t, max_seqlen=int((cu_t[1:] - cu_t[:-1]).max()) if len(new_cu) > 1 else 0,
+               chosen_index=torch.tensor([new_seg[s] for s in ci[keep].tolist()], dtype=torch.int64),
+               rejected_index=torch.tensor([new_seg[s] for s in ri[keep].tolist()], dtype=torch.int64))
+    return {**batch, **out}
+
+
+class _PairSteps(torch.utils.data.Dataset):
+    def __init__(self, cache, steps, plan, opts):
+        self.cache, self.steps, self.plan, self.opts = cache, steps, plan, opts
+
+    def __len__(self):
+        return len(self.steps)
+
+    def __getitem__(self, k):
+        o = self.opts
+        if self.plan is not None:
+            return collate_pairs_packed(self.cache, self.plan, self.steps[k], o["pad_id"])
+        return collate_pairs_padded(self.cache, self.steps[k], o["pad_id"], pad_to_multiple_of=o["pad_to_multiple_of"],
+                                    padding_side=o["padding_side"])
+
+
+class PairLoader:
+    """Iterable of pair batches over a ``PairCache`` (see the module docstring).
+
+    ``packing=True``: a unit is a packed row of ``seq_len`` tokens and ``batch_size`` counts rows;
+    ``packing=False``: a unit is a pair, ``batch_size`` counts pairs (2 x batch_size padded rows),
+    optionally length-grouped. ``rank`` / ``world_size`` default to torch.distributed's.
+    """
+
+    def __init__(self, cache, *, batch_size: int, pad_id: int, seq_len: int | None = None, packing: bool = True,
+                 shuffle: bool = True, seed: int = 0, rank: int | None = None, world_size: int | None = None,
+                 drop_last: bool = True, num_workers: int = 0, pin_memory: bool = False,
+                 prefetch_factor: int | None = 2, group_by_length: bool = False, mega_batch_mult: int = 50,
+                 pad_to_multiple_of: int | None = None, padding_side: str = "right", pack_backend: str | None = None,
+                 multiprocessing_context=None):
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if packing and not seq_len:
+            raise ValueError("packing=True needs seq_len")
+        if packing and group_by_length:
+            raise ValueError("group_by_length applies to padded batches (packing=False)")
+        if group_by_length and not shuffle:
+            raise ValueError("group_by_length shuffles the pairs (random mega-batches); it cannot honour shuffle=False")
+        if len(cache) == 0:
+            raise ValueError(f"{cache.path}: the pair cache holds no pairs (see cache.report for skipped records)")
+        dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = rank if rank is not None else (torch.distributed.get_rank() if dist else 0)
+        self.world_size = world_size if world_size is not None else (torch.distributed.get_world_size() if dist else 1)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} not in [0, world_size={self.world_size})")
+        self.cache, self.batch_size, self.seed, self.packing, self.seq_len = cache, batch_size, seed, packing, seq_len
+        self.shuffle, self.drop_last, self.group_by_length, self.mega_batch_mult = shuffle, drop_last, group_by_length, mega_batch_mult
+        self.num_workers, self.pin_memory, self.prefetch_factor = num_workers, pin_memory, prefetch_factor
+        self.multiprocessing_context = multiprocessing_context
+        self.opts = {"pad_id": pad_id, "pad_to_multiple_of": pad_to_multiple_of, "padding_side": padding_side}
+        sc, sr = cache.side_lengths
+        self.footprint = sc + sr  # tokens of a pair in a packed row: 2 p + c + r
+        self.plan = None
+        if packing:
+            over = np.flatnonzero(self.footprint > seq_len)
+            if len(over):
+                raise ValueError(
+                    f"{len(over)} pairs do not fit a row of seq_len={seq_len} (both sides of a pair share a row; "
+                    f"first: pair {int(over[0])}, {int(self.footprint[over[0]])} tokens); use seq_len >= "
+                    f"{int(self.footprint.max())} (2 x the formatter's max_length is always enough)")
+            self.plan = pack(self.footprint, seq_len, "truncate", pack_backend)
+        self.n_units = self.plan.n_rows if packing else len(cache)
+        G = batch_size * self.world_size
+        if drop_last and self.n_units < G:
+            what = "packed rows" if packing else "pairs"
+            raise ValueError(f"{self.n_units} {what} < one global batch of {G} (batch_size {batch_size} x world_size "
+                             f"{self.world_size}): with drop_last=True no batch would be yielded; lower batch_size "
+                             "or pass drop_last=False")
+        self.epoch, self.step = 0, 0
+        self._steps_cache: tuple[int, list] | None = None
+
+    @property
+    def pack_stats(self):
+        return None if self.plan is None else self.plan.stats
+
+    def rank_steps(self, epoch: int | None = None) -> list[np.ndarray]:
+        """Unit ids (rows or pairs) of each batch this rank yields in ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._steps_cache is None or self._steps_cache[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            G, B, r = self.batch_size * self.world_size, self.batch_size, self.rank
+            if self.group_by_length:
+                steps = length_grouped_batches(np.maximum(*self.cache.side_lengths), G, rng, self.mega_batch_mult)
+            else:
+                order = rng.permutation(self.n_units) if self.shuffle else np.arange(self.n_units)
+                steps = [order[i : i + G] for i in range(0, self.n_units, G)]
+            if self.drop_last:
+                steps = [s for s in steps if len(s) == G]
+            mine = [s[r * B : (r + 1) * B] for s in steps]
+            self._steps_cache = (epoch, [m for m in mine if len(m)])
+        return self._steps_cache[1]
+
+    def __len__(self) -> int:
+        return len(self.rank_steps())
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.step = epoch, 0
+
+    def _identity(self) -> dict:
+        return {"seed": self.seed, "n_units": self.n_units, "n_pairs": len(self.cache),
+                "n_tokens": int(self.footprint.sum()), "batch_size": self.batch_size, "world_size": self.world_size,
+                "rank": self.rank, "packing": self.packing, "seq_len": self.seq_len, "shuffle": self.shuffle,
+                "drop_last": self.drop_last, "group_by_length": self.group_by_length,
+                "mega_batch_mult": self.mega_batch_mult}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step": self.step, **self._identity()}
+
+    def load_state_dict(self, state: dict) -> None:
+        bad = [f"{k!r}: saved {state[k]!r}, this loader has {v!r}"
+               for k, v in self._identity().items() if k in state and state[k] != v]
+        if bad:
+            raise ValueError(f"pair loader state mismatch on {'; '.join(bad)} (the data or its order would differ, "
+                             "so exact resume is impossible)")
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+    def __iter__(self):
+        steps = self.rank_steps()
+        if self.step >= len(steps):
+            self.epoch, self.step = self.epoch + 1, 0
+            return
+        ds = _PairSteps(self.cache, steps, self.plan, self.opts)
+        kw = {}
+        if self.num_workers > 0:
+            kw = {"prefetch_factor": self.prefetch_factor, "multiprocessing_context": self.multiprocessing_context}
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, sampler=range(self.step, len(steps)),
+                                         num_workers=self.num_workers, pin_memory=self.pin_memory, **kw)
+        for batch in dl:
+            self.step += 1  # counted before the user sees it: a checkpoint in the loop body resumes after it
+            yield batch
+        if self.step >= len(steps):
+            self.epoch, self.step = self.epoch + 1, 0
+
+
+class MarginFilter:
+    """Keep the pairs of a batch whose z-scored reward margin exceeds a decaying threshold.
+
+    ``filter(batch, step) -> batch`` (see the module docstring for the rule); ``threshold(step)``;
+    ``counts`` ({"kept", "dropped", "unscored"} since construction) and ``last`` (the same for the
+    latest batch, plus its threshold). ``state_dict`` / ``load_state_dict`` carry the counts.
+    """
+
+    def __init__(self, start: float = 0.3, decay: float = 0.95, every: int = 100, floor: float = 0.05,
+                 min_keep: int = 1, pad_id: int = 0):
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if every < 1 or min_keep < 0:
+            raise ValueError(f"every must be >= 1 and min_keep >= 0, got {every}, {min_keep}")
+        if floor > start:
+            raise ValueError(f"floor={floor} is above start={start}: the threshold would never decay")
+        self.start, self.decay, self.every, self.floor, self.min_keep, self.pad_id = start, decay, every, floor, min_keep, pad_id
+        self.counts = {"kept": 0, "dropped": 0, "unscored": 0}
+        self.last: dict = {}
+
+    def threshold(self, step: int) -> float:
+        return max(self.floor, self.start * self.decay ** (int(step) // self.every))
+
+    def keep_mask(self, margin: torch.Tensor, step: int) -> torch.Tensor:
+        """[P] bool: which pairs to keep given their margins (NaN = unscored, always kept)."""
+        m = margin.double()
+        scored = torch.isfinite(m)
+        keep = torch.ones_like(scored)
+        ms = m[scored]
+        tau = self.threshold(step)
+        if ms.numel() >= 2 and float(ms.std(unbiased=False)) > 0:
+            z = (ms - ms.mean()) / ms.std(unbiased=False)
+            k = z > tau
+            if int(k.sum()) < self.min_keep:
+                k[torch.topk(z, min(self.min_keep, z.numel())).indices] = True
+            keep[scored] = k
+        n_scored, n_kept = int(scored.sum()), int(keep.sum())
+        n_unscored = len(m) - n_scored
+        self.last = {"threshold": tau, "kept": n_kept - n_unscored, "dropped": len(m) - n_kept, "unscored": n_unscored}
+        for key in self.counts:
+            self.counts[key] += self.last[key]
+        return keep
+
+    def __call__(self, batch: dict, step: int) -> dict:
+        keep = self.keep_mask(batch["margin"], step)
+        return batch if bool(keep.all()) else select_pairs(batch, keep, self.pad_id)
+
+    def state_dict(self) -> dict:
+        return {"counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts = {k: int(state["counts"][k]) for k in self.counts}

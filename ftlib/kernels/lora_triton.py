@@ -1,0 +1,468 @@
+"""Fused LoRA matmul on GPU: launchers, autotuning and autograd around the Triton kernels.
+
+``lora_matmul_triton(x, weight, lora_A, lora_B, scaling, *, bias, dropout_p, seed, offset,
+magnitude, weight_norm)`` has the semantics of ``lora_matmul_ref`` (LoRA, rsLoRA through
+``scaling``, DoRA with ``magnitude``; a dense or ``NF4Linear`` base; dropout from the (seed,
+offset) Philox stream) and is differentiable in x, lora_A, lora_B and magnitude.
+
+The math, the tiling and the performance reasoning are in ``_lora_kernels.py``. This file
+chooses tile configurations per GPU, launches the forward (u = drop(x) A^T, then the GEMM with
+the LoRA / DoRA / bias epilogue) and the backward (v = (g c) B; dB and dc; dX; dA), and validates.
+
+Compute dtype: x's (float16, bfloat16 or float32; float32 runs exact fp32 dots). A dense W of
+another dtype is cast for the call (a transient copy, as autocast makes); A and B are read in
+their own dtype and rounded to the compute dtype in registers; u, v, dA, dB and dc are
+accumulated and kept in fp32, and dA, dB are returned in the adapters' dtype. Saved for backward:
+x, u [M, R] fp32 and, for DoRA with a trainable magnitude, z [M, N]; never the dropout mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+from torch.autograd.function import once_differentiable
+
+from . import _lora_kernels as _k
+from .lora_ref import check_lora_args, is_nf4, lora_matmul_ref, rng_words
+
+__all__ = ["MAX_RANK", "base_matmul_triton", "dropout_mask_triton", "lora_matmul_triton"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_RANK = 256  # the skinny kernels keep a whole [tile, R] accumulator in registers
+
+
+# ----------------------------------------------------------------------------------------------
+# Autotune configurations.
+#
+# GEMMs (forward y tile BLOCK_M x BLOCK_N over K; dX tile BLOCK_M x BLOCK_K over N):
+#   * 128 x 256 x 64, 8 warps, 3 stages: the Hopper / A100 main choice; two 64-row warpgroups for
+#     wgmma, 3 x 48 KiB of operand stages fit H100's 227 KiB and A100's 163 KiB.
+#   * 256 x 128 x 64, 8 warps, 3 stages: the NF4 choice: each dequantized W tile serves 256 rows,
+#     halving the dequantization work per FLOP (see _lora_kernels.py).
+#   * 128 x 128 x 64, 8 warps, 4 stages: DoRA with dropout (two fp32 accumulators: 2 x 64 values
+#     per thread); also fine for everything on A100.
+#   * 128 x 128 x 32, 4 warps, 4 stages: consumer Ampere / Ada (sm_86/89, ~100 KiB shared memory).
+#   * 64 x 128 x 64 and 64 x 64 x 64: few tokens (the grid would not fill the GPU), and fp32.
+#   * 64 x 64 x 32, 2 stages: fp32 (exact ieee dots, 4-byte operands) on small shared memory.
+# Skinny passes (down: u over K; v over N; dB, dA over a token split): memory-bound streams with
+# an accumulator [tile, R] (R padded to a power of two >= 16) held in registers.
+# Configurations whose shared memory (estimated below) exceeds the device's, or whose fp32
+# accumulators exceed 128 values per thread, are pruned before timing, so one list serves sm_80,
+# sm_86, sm_89 and sm_90 and every rank up to 256.
+# ----------------------------------------------------------------------------------------------
+
+def _cfg(warps, stages, **blocks):
+    return triton.Config(blocks, num_warps=warps, num_stages=stages)
+
+
+if _INTERPRET:
+    # The interpreter runs each program in NumPy: 16-wide tiles exercise the multi-tile paths
+    # (ragged tails, several rank chunks, grouped ordering) on the tests' small shapes.
+    # (the K tiles are 32 wide: each tile of the dropout mask costs ~150 interpreted Philox ops)
+    _FWD_CONFIGS = [_cfg(4, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2)]
+    # dX: 64 wide, so an NF4 tile row spans two 32-element blocks in the tests (the GPU's wide tiles)
+    _DX_CONFIGS = [_cfg(4, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, GROUP_M=2)]
+    _DOWN_CONFIGS = [_cfg(4, 1, BLOCK_M=16, BLOCK_K=32)]
+    _V_CONFIGS = [_cfg(4, 1, BLOCK_M=16, BLOCK_N=16)]
+    _DB_CONFIGS = [_cfg(4, 1, BLOCK_M=16, BLOCK_N=16)]
+    _DA_CONFIGS = [_cfg(4, 1, BLOCK_M=16, BLOCK_K=32)]
+else:
+    _FWD_CONFIGS = [
+        _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8),
+        _cfg(8, 3, BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
+        _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
+        _cfg(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8),
+        _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
+        _cfg(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8),
+        _cfg(4, 2, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8),
+    ]
+    # dX: BLOCK_K is the output width, BLOCK_N the reduction step
+    _DX_CONFIGS = [
+        _cfg(8, 3, BLOCK_M=128, BLOCK_K=256, BLOCK_N=64, GROUP_M=8),
+        _cfg(8, 3, BLOCK_M=256, BLOCK_K=128, BLOCK_N=64, GROUP_M=8),
+        _cfg(8, 4, BLOCK_M=128, BLOCK_K=128, BLOCK_N=64, GROUP_M=8),
+        _cfg(4, 4, BLOCK_M=128, BLOCK_K=128, BLOCK_N=32, GROUP_M=8),
+        _cfg(4, 4, BLOCK_M=64, BLOCK_K=128, BLOCK_N=64, GROUP_M=8),
+        _cfg(4, 3, BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, GROUP_M=8),
+        _cfg(4, 2, BLOCK_M=64, BLOCK_K=64, BLOCK_N=32, GROUP_M=8),
+    ]
+    _DOWN_CONFIGS = [
+        _cfg(4, 3, BLOCK_M=64, BLOCK_K=128), _cfg(4, 4, BLOCK_M=128, BLOCK_K=64), _cfg(8, 3, BLOCK_M=128, BLOCK_K=128),
+        _cfg(4, 4, BLOCK_M=32, BLOCK_K=128), _cfg(4, 2, BLOCK_M=32, BLOCK_K=64),
+    ]
+    _V_CONFIGS = [
+        _cfg(4, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64), _cfg(8, 3, BLOCK_M=128, BLOCK_N=128),
+        _cfg(4, 4, BLOCK_M=32, BLOCK_N=128), _cfg(4, 2, BLOCK_M=32, BLOCK_N=64),
+    ]
+    _DB_CONFIGS = [
+        _cfg(4, 3, BLOCK_N=64, BLOCK_M=128), _cfg(4, 4, BLOCK_N=128, BLOCK_M=64), _cfg(8, 3, BLOCK_N=128, BLOCK_M=128),
+        _cfg(4, 2, BLOCK_N=32, BLOCK_M=64),
+    ]
+    _DA_CONFIGS = [
+        _cfg(4, 3, BLOCK_K=64, BLOCK_M=128), _cfg(4, 4, BLOCK_K=128, BLOCK_M=64), _cfg(8, 3, BLOCK_K=128, BLOCK_M=128),
+        _cfg(4, 2, BLOCK_K=32, BLOCK_M=64),
+    ]
+
+# FTLIB_LORA_AUTOTUNE=0 skips timing: the first configuration of each list that fits is used
+# (the gpu-marked tests set it to save compile time).
+_AUTOTUNE = os.environ.get("FTLIB_LORA_AUTOTUNE", "1") != "0"
+_MAX_ACC_PER_THREAD = 128  # fp32 accumulator values per thread before registers spill
+
+
+def _smem_budget() -> int:
+    props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
+    return int(props["max_shared_mem"])
+
+
+# which config block is (output tile rows or width, reduction step) for each skinny kernel
+_SKINNY_BLOCKS = {"down": ("BLOCK_M", "BLOCK_K"), "v": ("BLOCK_M", "BLOCK_N"),
+                  "db": ("BLOCK_N", "BLOCK_M"), "da": ("BLOCK_K", "BLOCK_M")}
+
+
+def _estimate(kind, c, kwargs) -> tuple[int, int]:
+    """(shared memory bytes, fp32 accumulator values per thread) of config ``c`` for one launch."""
+    esize = 4 if kwargs["PRECISION"] == "ieee" else 2
+    stages, threads, kw = max(c.num_stages, 1), 32 * c.num_warps, c.kwargs
+    br = kwargs["BLOCK_R"]
+    if kind in ("fwd", "dx"):
+        bm = kw["BLOCK_M"]
+        width, red = (kw["BLOCK_N"], kw["BLOCK_K"]) if kind == "fwd" else (kw["BLOCK_K"], kw["BLOCK_N"])
+        two = kwargs.get("DROP_DORA", False) or (kind == "dx" and kwargs["DORA"] and kwargs["DROPOUT"])
+        a_stage = bm * red * esize * (2 if two and kind == "fwd" else 1)  # x (and h) tiles
+        if kwargs["NF4"]:  # packed codes are staged; the dequantized tile is written once per step
+            w_stage, extra = width * red // 2, width * red * esize
+        else:
+            w_stage, extra = width * red * esize, 0
+        epilogue = (bm + width) * br * 4
+        return max(stages * (a_stage + w_stage) + extra, epilogue), bm * width * (2 if two else 1) // threads
+    tile, red = (kw[name] for name in _SKINNY_BLOCKS[kind])
+    return stages * (tile * red * esize + br * red * 4), tile * br // threads
+
+
+def _prune(kind):
+    def prune(configs, named_args, **kwargs):
+        budget = _smem_budget()
+        kept = []
+        for c in configs:
+            smem, acc = _estimate(kind, c, kwargs)
+            if smem <= budget and acc <= _MAX_ACC_PER_THREAD:
+                kept.append(c)
+        if kind in ("fwd", "dx") and kwargs["NF4"] and kwargs["NF4_K_ALIGNED"]:
+            # prefer tiles whose K range is whole NF4 blocks or part of one (packed code loads)
+            nb = kwargs["NF4_BLOCK"]
+            aligned = [c for c in kept if nb % c.kwargs["BLOCK_K"] == 0 or c.kwargs["BLOCK_K"] % nb == 0]
+            kept = aligned or kept
+        if not kept:
+            kept = [min(configs, key=lambda c: _estimate(kind, c, kwargs))]
+        return kept if _AUTOTUNE else kept[:1]
+
+    return prune
+
+
+_KEYS = {
+    "fwd": ["N", "K", "R", "HAS_LORA", "HAS_BIAS", "DORA", "DROP_DORA", "WRITE_Z", "NF4", "DOUBLE_QUANT",
+            "NF4_BLOCK", "PRECISION"],
+    "dx": ["N", "K", "R", "DORA", "DROPOUT", "NF4", "DOUBLE_QUANT", "NF4_BLOCK", "PRECISION"],
+    "down": ["K", "R", "DROPOUT", "WRITE_H", "PRECISION"],
+    "v": ["N", "R", "DORA", "PRECISION"],
+    "db": ["N", "R", "DORA_DC", "PRECISION"],
+    "da": ["K", "R", "DROPOUT", "PRECISION"],
+}
+
+
+def _autotune(configs, kind):
+    # Keys never include the token count M (it may change every step with dynamic padding): the
+    # configuration is tuned on the first call of each layer shape and kept.
+    if _INTERPRET:
+        return triton.autotune(configs=configs, key=[])
+    return triton.autotune(configs=configs, key=_KEYS[kind], prune_configs_by={"early_config_prune": _prune(kind)})
+
+
+_fwd_kernel = _autotune(_FWD_CONFIGS, "fwd")(_k._fwd_kernel)
+_down_kernel = _autotune(_DOWN_CONFIGS, "down")(_k._down_kernel)
+_bwd_v_kernel = _autotune(_V_CONFIGS, "v")(_k._bwd_v_kernel)
+_bwd_db_kernel = _autotune(_DB_CONFIGS, "db")(_k._bwd_db_kernel)
+_bwd_dx_kernel = _autotune(_DX_CONFIGS, "dx")(_k._bwd_dx_kernel)
+_bwd_da_kernel = _autotune(_DA_CONFIGS, "da")(_k._bwd_da_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+# Token splits of the dB / dA reductions: enough programs to fill the GPU, each split a multiple
+# of the largest token tile; partial sums [S, ...] fp32 are added in a fixed order afterwards.
+_SPLIT_ALIGN = 16 if _INTERPRET else 256
+_SPLIT_MIN_ROWS = 16 if _INTERPRET else 1024
+_NF4_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: small, so the tests' token counts are split too
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _splits(m: int, tiles: int, device: torch.device) -> tuple[int, int]:
+    """(number of token splits, rows per split) for a reduction over m tokens with ``tiles`` column tiles."""
+    want = triton.cdiv(2 * _sm_count(device), max(tiles, 1))
+    s = max(1, min(want, m // _SPLIT_MIN_ROWS))
+    rows = triton.cdiv(triton.cdiv(m, s), _SPLIT_ALIGN) * _SPLIT_ALIGN
+    return triton.cdiv(m, rows), rows
+
+
+def _block_r(r: int, chunk: bool) -> int:
+    full = max(16, triton.next_power_of_2(r))
+    return min(full, 64) if chunk else full  # GEMM epilogues loop over rank chunks of <= 64
+
+
+def _device_guard(x: torch.Tensor):
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+class _Plan:
+    """Everything about one call that is not a differentiable tensor."""
+
+    def __init__(self, spec, dtype, scaling, seed, offset, weight, bias, device):
+        self.m, self.k, self.n, self.r = spec.m, spec.k, spec.n, spec.r
+        self.dtype = dtype
+        self.scaling = float(scaling)
+        self.dora, self.dropout, self.nf4 = spec.dora, spec.dropout, spec.nf4
+        self.threshold, self.drop_scale = spec.threshold, spec.drop_scale
+        self.rng = rng_words(seed, offset)  # key0, key1, ctr2, ctr3: each < 2^31
+        self.precision = "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays exact fp32
+        self.bias = bias
+        self.device = device
+        self.weight = weight  # dense tensor in the compute dtype, or the NF4Linear
+        if spec.nf4:
+            f32 = torch.float32
+            self.double_quant = bool(weight.double_quant)
+            self.nf4_block = int(weight.blocksize)
+            absmax = weight.absmax if self.double_quant else weight.absmax.view(f32)
+            second = ((weight.absmax2.view(f32), weight.absmax_code.view(f32), weight.offset.view(f32))
+                      if self.double_quant else (absmax, absmax, absmax))
+            if device not in _NF4_TABLES:
+                from ftlib.lora.nf4 import NF4_CODE
+
+                _NF4_TABLES[device] = NF4_CODE.to(device)
+            codes = weight.codes
+            self.w_args = (codes, codes, absmax, *second, _NF4_TABLES[device])
+            self.stride_wn = 0
+        else:
+            self.double_quant, self.nf4_block = False, 64
+            self.w_args = (weight,) * 7
+            self.stride_wn = weight.stride(0)
+
+    def w_meta(self):
+        return dict(NF4=self.nf4, DOUBLE_QUANT=self.double_quant, NF4_BLOCK=self.nf4_block,
+                    NF4_K_ALIGNED=self.nf4 and self.k % self.nf4_block == 0)
+
+
+def _gemm_grid(rows: int, cols: int, row_block: str, col_block: str):
+    return lambda meta: (triton.cdiv(rows, meta[row_block]) * triton.cdiv(cols, meta[col_block]),)
+
+
+def _forward(x, a, b, c, plan: _Plan, need_z: bool, has_lora: bool = True, out_dtype=None):
+    m, k, n, r = plan.m, plan.k, plan.n, plan.r
+    drop_dora = plan.dora and plan.dropout
+    u = torch.empty(m, r, dtype=torch.float32, device=x.device) if has_lora else x
+    h = torch.empty_like(x) if drop_dora else x  # freed when the forward returns
+    if has_lora:
+        _down_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)](
+            x, a, u, h, m, k, r, x.stride(0), a.stride(0), u.stride(0), h.stride(0),
+            *plan.rng, plan.threshold, plan.drop_scale,
+            DROPOUT=plan.dropout, WRITE_H=drop_dora, PRECISION=plan.precision, BLOCK_R=_block_r(r, False),
+        )
+    y = torch.empty(m, n, dtype=out_dtype or plan.dtype, device=x.device)
+    z = torch.empty(m, n, dtype=plan.dtype, device=x.device) if need_z else y
+    bias = plan.bias if plan.bias is not None else y
+    _fwd_kernel[_gemm_grid(m, n, "BLOCK_M", "BLOCK_N")](
+        x, h, *plan.w_args, u, b if has_lora else x, bias, c if plan.dora else y, y, z,
+        m, n, k, r, plan.scaling,
+        x.stride(0), h.stride(0), plan.stride_wn, u.stride(0), b.stride(0) if has_lora else 0, y.stride(0),
+        z.stride(0),
+        HAS_LORA=has_lora, HAS_BIAS=plan.bias is not None, DORA=plan.dora, DROP_DORA=drop_dora, WRITE_Z=need_z,
+        PRECISION=plan.precision, BLOCK_R=_block_r(r, True), **plan.w_meta(),
+    )
+    return y, u, z
+
+
+def _backward(g, x, u, z, a, b, c, plan: _Plan, need):
+    """(dX, dA fp32, dB fp32, dc fp32), each None when not needed; ``need`` = needs_input_grad[:4]."""
+    need_x, need_a, need_b, need_c = need
+    m, k, n, r = plan.m, plan.k, plan.n, plan.r
+    dev = g.device
+    dx = da = db = dc = None
+    rng = (*plan.rng, plan.threshold, plan.drop_scale)
+    if need_x or need_a:
+        v = torch.empty(m, r, dtype=torch.float32, device=dev)
+        _bwd_v_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)](
+            g, b, c if plan.dora else v, v, m, n, r, g.stride(0), b.stride(0), v.stride(0),
+            DORA=plan.dora, PRECISION=plan.precision, BLOCK_R=_block_r(r, False),
+        )
+    if need_b or need_c:
+        splits, rows = _splits(m, triton.cdiv(n, 64), dev)
+        db_part = torch.empty(splits, n, r, dtype=torch.float32, device=dev)
+        dc_part = torch.empty(splits, n, dtype=torch.float32, device=dev) if need_c else db_part
+        _bwd_db_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)](
+            g, u, z if need_c else g, db_part, dc_part, m, n, r, rows,
+            g.stride(0), u.stride(0), z.stride(0) if need_c else 0, db_part.stride(0), db_part.stride(1),
+            dc_part.stride(0),
+            DORA_DC=need_c, PRECISION=plan.precision, BLOCK_R=_block_r(r, False),
+        )
+        if need_b:
+            scale = plan.scaling * c.detach().view(n, 1) if plan.dora else plan.scaling
+            db = db_part.sum(0) * scale  # dB = s c (g^T u)
+        if need_c:
+            dc = dc_part.sum(0)
+    if need_x:
+        dx = torch.empty(m, k, dtype=plan.dtype, device=dev)
+        _bwd_dx_kernel[_gemm_grid(m, k, "BLOCK_M", "BLOCK_K")](
+            g, *plan.w_args, v, a, c if plan.dora else v, dx,
+            m, n, k, r, plan.scaling, g.stride(0), plan.stride_wn, v.stride(0), a.stride(0), dx.stride(0), *rng,
+            DORA=plan.dora, DROPOUT=plan.dropout, PRECISION=plan.precision, BLOCK_R=_block_r(r, True),
+            **plan.w_meta(),
+        )
+    if need_a:
+        splits, rows = _splits(m, triton.cdiv(k, 64), dev)
+        da_part = torch.empty(splits, r, k, dtype=torch.float32, device=dev)
+        _bwd_da_kernel[lambda meta: (triton.cdiv(k, meta["BLOCK_K"]), splits)](
+            x, v, da_part, m, k, r, rows, x.stride(0), v.stride(0), da_part.stride(0), da_part.stride(1), *rng,
+            DROPOUT=plan.dropout, PRECISION=plan.precision, BLOCK_R=_block_r(r, False),
+        )
+        da = da_part.sum(0) * plan.scaling  # dA = s v^T h
+    return dx, da, db, dc
+
+
+class _LoRAFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, a, b, c, plan):
+        # x (M, K) compute dtype; a (R, K), b (N, R) adapters' dtype; c (N,) fp32 or None
+        need_z = plan.dora and ctx.needs_input_grad[3]
+        with _device_guard(x):
+            y, u, z = _forward(x, a, b, c, plan, need_z)
+        ctx.save_for_backward(x, u, z if need_z else None, a, b, c)
+        ctx.plan = plan
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy):
+        x, u, z, a, b, c = ctx.saved_tensors
+        plan = ctx.plan
+        g = gy.to(plan.dtype)
+        g = g if g.stride(-1) == 1 and g.stride(0) == plan.n else g.contiguous()
+        with _device_guard(g):
+            dx, da, db, dc = _backward(g, x, u, z, a, b, c, plan, ctx.needs_input_grad[:4])
+        return (dx, None if da is None else da.to(a.dtype), None if db is None else db.to(b.dtype), dc, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_device(x: torch.Tensor, r: int) -> None:
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"lora_matmul_triton: x must be float16, bfloat16 or float32, got {x.dtype}")
+    if r > MAX_RANK:
+        raise ValueError(f"lora_matmul_triton: rank {r} > {MAX_RANK} is not supported (use the torch backend)")
+    if not x.is_cuda and not _INTERPRET:
+        raise RuntimeError("lora_matmul_triton: needs CUDA tensors (set TRITON_INTERPRET=1 before importing ftlib "
+                           "to run the kernels on CPU for testing)")
+
+
+def _base_plan(x2, weight, spec, dtype, scaling, seed, offset, bias):
+    w = weight
+    if not spec.nf4:
+        w = _unit_last(weight.detach().to(dtype))
+    return _Plan(spec, dtype, scaling, seed, offset, w, None if bias is None else bias.detach(), x2.device)
+
+
+def base_matmul_triton(x: torch.Tensor, weight, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x W^T`` (no bias, no adapter, no autograd) with the fused kernel; W dense or ``NF4Linear``.
+
+    x [..., in] in the compute dtype; the result [..., out] in ``out_dtype`` (fp32 by default: DoRA's
+    row norm uses it for W A^T without a 16-bit copy of an NF4 weight).
+    """
+    k = x.shape[-1]
+    dummy_a = x.new_zeros(1, k)
+    n = weight.out_features if is_nf4(weight) else weight.shape[0]
+    spec = check_lora_args(x.detach(), weight, dummy_a, x.new_zeros(n, 1), 1.0, None, 0.0, 0, 0, None, None)
+    _check_device(x, 1)
+    x2 = _unit_last(x.detach().reshape(spec.m, k))
+    if spec.m == 0:
+        return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
+    plan = _base_plan(x2, weight, spec, x.dtype, 1.0, 0, 0, None)
+    with _device_guard(x2), torch.no_grad():
+        y, _, _ = _forward(x2, None, None, None, plan, need_z=False, has_lora=False, out_dtype=out_dtype)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def dropout_mask_triton(seed: int, offset: int, rows: int, cols: int, p: float,
+                        device: torch.device | str = "cuda") -> torch.Tensor:
+    """The kernels' dropout mask D, fp32 [rows, cols], from the same Philox helper they use.
+
+    Equal to ``lora_ref.dropout_mask_ref`` for the same arguments (the tests check it).
+    """
+    from .lora_ref import dropout_threshold
+
+    t, scale = dropout_threshold(p)
+    out = torch.empty(rows, cols, dtype=torch.float32, device=device)
+    if out.numel():
+        bm, bk = 16, 64
+        with _device_guard(out):
+            _k._mask_kernel[(triton.cdiv(rows, bm), triton.cdiv(cols, bk))](
+                out, rows, cols, out.stride(0), *rng_words(seed, offset), t, scale, BLOCK_M=bm, BLOCK_K=bk)
+    return out
+
+
+def _row_norm(weight, lora_A, lora_B, scaling, dtype):
+    """DoRA's ||W + s B A||_row through ``ftlib.lora.dora`` (W A^T by the kernel: no out x in temporary)."""
+    from ftlib.lora.dora import dora_row_norm, row_sq_norm
+
+    nf4 = is_nf4(weight)
+    w32 = weight.dequantize(torch.float32) if nf4 else None  # ||W||^2 of an NF4 base: one fp32 dequantization
+    dense = w32 if nf4 else weight.detach()
+    return dora_row_norm(lambda a: base_matmul_triton(a.to(dtype), weight), row_sq_norm(dense), lora_A, lora_B,
+                         scaling, weight_rows=lambda idx: dense[idx])
+
+
+def lora_matmul_triton(
+    x: torch.Tensor,
+    weight,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    *,
+    bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    offset: int = 0,
+    magnitude: torch.Tensor | None = None,
+    weight_norm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The fused LoRA / DoRA layer; same arguments and semantics as ``ftlib.kernels.lora_matmul``."""
+    spec = check_lora_args(x, weight, lora_A, lora_B, scaling, bias, dropout_p, seed, offset, magnitude,
+                           weight_norm)
+    _check_device(x, spec.r)
+    if spec.m == 0:  # nothing to launch; the reference gives the empty result with its autograd graph
+        return lora_matmul_ref(x, weight, lora_A, lora_B, scaling, bias=bias, dropout_p=dropout_p, seed=seed,
+                               offset=offset, magnitude=magnitude, weight_norm=weight_norm)
+    dtype = x.dtype
+    x2 = _unit_last(x.reshape(spec.m, spec.k))
+    plan = _base_plan(x2, weight, spec, dtype, scaling, seed, offset, bias)
+    c = None
+    if spec.dora:
+        if weight_norm is None:
+            weight_norm = _row_norm(plan.weight, lora_A, lora_B, scaling, dtype)
+        c = magnitude.float() / weight_norm.detach().float()  # (N,); autograd takes dc to dm = dc / n
+    y = _LoRAFn.apply(x2, _unit_last(lora_A), _unit_last(lora_B), c, plan)
+    return y.reshape(*x.shape[:-1], spec.n)

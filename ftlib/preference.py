@@ -1,0 +1,444 @@
+"""Preference tuning: sequence log-probabilities without full logits, the DPO family of losses, and
+reference log-probabilities that need no second model.
+
+Sequence log-probabilities. For a document s with response tokens y_t (labels != -100, labels
+aligned with input_ids, the shift inside as in ``ftlib.losses``)::
+
+    logp_sum(s)  = sum_t log softmax(W h_{t-1})[y_t],     n(s) = number of such t,
+    logp_mean(s) = logp_sum(s) / n(s)
+
+The first response token is predicted from the last prompt token's hidden state, so it is
+included (labels on each document's first token are -100, so nothing is predicted across a
+document boundary). ``sequence_logprobs`` computes them from the final hidden states and the LM
+head ``chunk_size`` target tokens at a time: only response tokens are projected, only one
+[chunk_size, V] block exists at a time, and backward recomputes each block (the recompute idea of
+``ftlib.losses.chunked_cross_entropy``; here the result is per token, so the gradient is
+``dlogp_i/dz_i = onehot(y_i) - softmax(z_i)`` scaled by each token's own upstream gradient).
+Documents are the ``cu_seqlens`` segments of a packed batch, or the rows of a padded one.
+
+Losses (Δ = (π_c - π_r) - (ρ_c - ρ_r), π policy and ρ reference log-probs of the chosen c and
+rejected r responses; h = β Δ; softplus(x) = log(1 + e^x) = -log σ(-x)):
+
+    sigmoid  (DPO, Rafailov et al. 2023)           (1 - ε) softplus(-h) + ε softplus(h)
+             ε > 0: conservative DPO / label smoothing (Mitchell 2023, "A note on DPO with noisy preferences")
+    robust   (Chowdhury et al. 2024, "Provably robust DPO")   ((1 - ε) softplus(-h) - ε softplus(h)) / (1 - 2ε)
+    ipo      (Azar et al. 2023, "A general theoretical paradigm ...")   (Δ - 1 / (2β))^2
+    hinge    (SLiC, Zhao et al. 2023)              max(0, 1 - h)
+    simpo    (Meng et al. 2024), reference-free    h' = β (π̄_c - π̄_r) - γ;  (1 - ε) softplus(-h') + ε softplus(h')
+    orpo     (Hong et al. 2024), reference-free    -π̄_c + β softplus(-(odds(π̄_c) - odds(π̄_r))),
+             odds(x) = x - log(1 - e^x)   (β is the paper's λ)
+
+π̄ = length-normalised (mean per response token) log-probs: always for simpo and orpo, and by
+default for ipo (as TRL does; ``length_normalize`` overrides for the others). Rewards for logging:
+β (π - ρ) per side (simpo, orpo: β π̄), margin = chosen - rejected reward, accuracy = 1 when the
+chosen reward is strictly larger. Losses are per pair: sum them and divide by the number of pairs
+of the accumulation window (``TrainOptimizer.backward(losses.sum(), n_pairs)``).
+
+Reference log-probs. ``reference_pair_logps`` runs the same model with its adapters disabled
+(``ftlib.lora.disable_adapters``: no weight copied) under ``torch.no_grad()``, or a separate frozen
+model, or reads the values a batch carries when the pair cache holds a reference computed once by
+``precompute_reference`` (then training runs no reference pass at all).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .losses import IGNORE_INDEX
+
+__all__ = [
+    "SequenceLogprobs", "sequence_logprobs", "PairLogps", "pair_logps", "reference_pair_logps",
+    "precompute_reference", "PreferenceLoss", "PreferenceOutput", "LOSS_KINDS",
+    "dpo_sigmoid_loss", "robust_dpo_loss", "ipo_loss", "hinge_loss", "simpo_loss", "orpo_loss",
+]
+
+LOSS_KINDS = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo")
+_REFERENCE_FREE = ("simpo", "orpo")
+
+
+# ---- sequence log-probabilities ------------------------------------------------------------------
+class _ChunkedTokenLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, y, chunk_size, dtype):
+        # h (N, H) target tokens only, weight (V, H), y (N,); matmuls in `dtype`, softmax in fp32 (fp64 stays)
+        acc = torch.promote_types(dtype, torch.float32)
+        logp = torch.empty(h.shape[0], dtype=acc, device=h.device)
+        lse = torch.empty_like(logp)
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            w_t = weight.to(dtype).t()  # (H, V), converted once
+            for s in range(0, h.shape[0], chunk_size):
+                z = (h[s : s + chunk_size].to(dtype) @ w_t).to(acc)  # (C, V)
+                lse_c = torch.logsumexp(z, dim=-1)
+                lse[s : s + chunk_size] = lse_c
+                logp[s : s + chunk_size] = z.gather(1, y[s : s + chunk_size, None]).squeeze(1) - lse_c
+        ctx.save_for_backward(h, weight, y, lse)
+        ctx.chunk_size, ctx.dtype = chunk_size, dtype
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight, y, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        c, dtype, acc = ctx.chunk_size, ctx.dtype, lse.dtype
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        w = weight.to(dtype)
+        g = grad_out.to(acc)
+        for s in range(0, h.shape[0], c):
+            hc = h[s : s + c].to(dtype)
+            z = (hc @ w.t()).to(acc)  # (C, V), recomputed
+            dz = torch.exp(z - lse[s : s + c, None]).neg_()  # -softmax
+            dz[torch.arange(hc.shape[0], device=dz.device), y[s : s + c]] += 1.0  # onehot - softmax
+            dz *= g[s : s + c, None]
+            if need_h:
+                grad_h[s : s + c] = (dz.to(dtype) @ w).to(h.dtype)
+            if need_w:
+                grad_w += dz.t() @ hc.to(acc)
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+
+
+@dataclass
+class SequenceLogprobs:
+    """Per-document response log-probabilities: ``sum`` [S] (fp32; fp64 for fp64 inputs) and ``count`` [S] int64."""
+
+    sum: torch.Tensor
+    count: torch.Tensor
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.sum / self.count.clamp(min=1).to(self.sum.dtype)
+
+
+def sequence_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, *,
+                      cu_seqlens: torch.Tensor | None = None, chunk_size: int = 1024,
+                      ignore_index: int = IGNORE_INDEX) -> SequenceLogprobs:
+    """Sum and count of ``log p(labels[t] | ...)`` per document, without [tokens, V] logits.
+
+    hidden [B, T, H] (final-norm output), lm_head_weight [V, H], labels [B, T] aligned with
+    input_ids. Documents: the segments of ``cu_seqlens`` (int32 [S + 1] over the flattened B*T
+    tokens, a packed batch) or, without it, the B rows. Matmuls run in the autocast dtype when
+    autocast is on (else the inputs' common dtype), the softmax in fp32.
+    """
+    if hidden.ndim != 3:
+        raise ValueError(f"hidden must be [B, T, H], got shape {tuple(hidden.shape)}")
+    b, t, hdim = hidden.shape
+    if lm_head_weight.ndim != 2 or lm_head_weight.shape[1] != hdim:
+        raise ValueError(f"lm_head_weight must be [V, {hdim}], got {tuple(lm_head_weight.shape)}")
+    if labels.shape != (b, t):
+        raise ValueError(f"labels must be [B, T]={(b, t)}, got {tuple(labels.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    y = labels[:, 1:].reshape(-1).long()
+    keep = (y != ignore_index).nonzero().squeeze(1)  # (N,) shifted positions with a target
+    h = hidden[:, :-1].reshape(-1, hdim).index_select(0, keep)  # (N, H): the predicting states
+    y = y.index_select(0, keep)
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= lm_head_weight.shape[0]):
+        raise ValueError(f"labels must be in [0, {lm_head_weight.shape[0]}) or {ignore_index}")
+    if torch.is_autocast_enabled(h.device.type):
+        dtype = torch.get_autocast_dtype(h.device.type)
+    else:
+        dtype = torch.promote_types(h.dtype, lm_head_weight.dtype)
+    logp = _ChunkedTokenLogprob.apply(h, lm_head_weight, y, int(chunk_size), dtype)  # (N,)
+    # the document of a target is the document of the target token (flat position of labels[:, 1:])
+    rows, cols = keep // (t - 1), keep % (t - 1) + 1
+    if cu_seqlens is None:
+        doc, n_docs = rows, b
+    else:
+        cu = cu_seqlens.to(device=keep.device, dtype=torch.int64)
+        if cu.ndim != 1 or int(cu[0]) != 0 or int(cu[-1]) != b * t:
+            raise ValueError(f"cu_seqlens must be 1-D from 0 to B*T={b * t}, got {cu.tolist()[:4]}...")
+        doc, n_docs = torch.searchsorted(cu, rows * t + cols, right=True) - 1, cu.numel() - 1
+    total = torch.zeros(n_docs, dtype=logp.dtype, device=logp.device).index_add(0, doc, logp)
+    count = torch.zeros(n_docs, dtype=torch.int64, device=logp.device).index_add(0, doc, torch.ones_like(doc))
+    return SequenceLogprobs(total, count)
+
+
+@dataclass
+class PairLogps:
+    """Log-probs of each pair's chosen and rejected responses: sums [P] and token counts [P]."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_n: torch.Tensor
+    rejected_n: torch.Tensor
+
+    def values(self, length_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected): sums, or means per response token when ``length_normalize``."""
+        if not length_normalize:
+            return self.chosen, self.rejected
+        return (self.chosen / self.chosen_n.clamp(min=1).to(self.chosen.dtype),
+                self.rejected / self.rejected_n.clamp(min=1).to(self.rejected.dtype))
+
+
+_LAYOUT = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # the batch contract of ftlib.data.collate
+
+
+def pair_logps(model, batch: dict, *, chunk_size: int = 1024) -> PairLogps:
+    """Policy log-probs of a pair batch (packed or padded, ``ftlib.data.pair_batches``) through ``model``
+    (a ``LlamaForCausalLM``: ``model.model`` gives hidden states, ``model.lm_head`` the head)."""
+    hidden = model.model(batch["input_ids"], **{k: batch[k] for k in _LAYOUT if k in batch})
+    seq = sequence_logprobs(hidden, model.lm_head.weight, batch["labels"], cu_seqlens=batch.get("cu_seqlens"),
+                            chunk_size=chunk_size)
+    ci, ri = batch["chosen_index"].to(seq.sum.device), batch["rejected_index"].to(seq.sum.device)
+    return PairLogps(seq.sum[ci], seq.sum[ri], seq.count[ci], seq.count[ri])
+
+
+@torch.no_grad()
+def reference_pair_logps(model, batch: dict, *, reference_model=None, autocast=None,
+                         chunk_size: int = 1024) -> PairLogps:
+    """Reference log-probs of a pair batch, with no gradient.
+
+    In order: the batch's precomputed ``ref_chosen`` / ``ref_rejected`` when present (token counts
+    from the labels); else ``reference_model`` when given (a frozen model, e.g. for full fine-tuning);
+    else ``model`` with its adapters disabled. ``autocast``: a callable returning a context manager
+    (e.g. ``opt.autocast``) so the reference runs in the training precision.
+    """
+    if "ref_chosen" in batch:
+        labels = batch["labels"]
+        # token counts per document from the labels, as sequence_logprobs counts them
+        valid = labels[:, 1:] != IGNORE_INDEX
+        if "cu_seqlens" in batch:
+            t = labels.shape[1]
+            pos = valid.nonzero()
+            cu = batch["cu_seqlens"].to(labels.device, torch.int64)
+            doc = torch.searchsorted(cu, pos[:, 0] * t + pos[:, 1] + 1, right=True) - 1
+            count = torch.zeros(cu.numel() - 1, dtype=torch.int64, device=labels.device).index_add(
+                0, doc, torch.ones_like(doc))
+        else:
+            count = valid.sum(1)
+        ci, ri = batch["chosen_index"].to(count.device), batch["rejected_index"].to(count.device)
+        return PairLogps(batch["ref_chosen"].float(), batch["ref_rejected"].float(), count[ci], count[ri])
+    ctx = autocast() if autocast is not None else nullcontext()
+    if reference_model is not None:
+        with ctx:
+            return pair_logps(reference_model, batch, chunk_size=chunk_size)
+    from .lora import disable_adapters, lora_layers
+
+    if not any(True for _ in lora_layers(model)):
+        raise ValueError("reference_pair_logps: the model has no adapters to disable; pass reference_model= (a "
+                         "frozen copy of the starting model) or precompute the reference into the pair cache")
+    with disable_adapters(model), ctx:
+        return pair_logps(model, batch, chunk_size=chunk_size)
+
+
+def precompute_reference(model, cache, name: str, *, pad_id: int, seq_len: int | None = None,
+                         batch_size: int = 1, reference_model=None, autocast=None, device=None,
+                         chunk_size: int = 1024, description: str = "", progress: bool = True):
+    """Compute every pair's reference log-probs once and store them in the pair cache.
+
+    Writes ``<cache>/reference/<name>.safetensors`` (``chosen``, ``rejected``: float64 [n_pairs],
+    summed over response tokens; metadata: the cache fingerprint, ``description``) atomically and
+    attaches it (``cache.reference``), so the ``PairLoader`` batches carry ``ref_chosen`` /
+    ``ref_rejected`` and ``reference_pair_logps`` reads them. The pass runs like
+    ``reference_pair_logps`` (adapters disabled, or ``reference_model``; ``autocast`` a context
+    factory such as ``opt.autocast``), in packed rows of ``seq_len`` (default: the longest pair),
+    ``batch_size`` rows per forward. Under torch.distributed every rank must call it: each computes
+    its share of the pairs, the values are summed across ranks, rank 0 writes the file and every
+    rank attaches it. Returns the cache.
+    """
+    import torch.distributed as dist
+
+    from ._atomic import atomic_write
+    from .data.pair_batches import PairLoader
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
+    ref_attached, cache.reference = cache.reference, None  # batches must not carry an old reference
+    try:
+        sc, sr = cache.side_lengths
+        seq_len = seq_len or int((sc + sr).max())
+        loader = PairLoader(cache, batch_size=batch_size, pad_id=pad_id, seq_len=seq_len, packing=True,
+                            shuffle=False, drop_last=False, rank=rank, world_size=world)
+        values = np.zeros((3, len(cache)))  # chosen, rejected, computed-here count
+        it = loader
+        if progress and rank == 0:
+            from tqdm.auto import tqdm
+
+            it = tqdm(loader, total=len(loader), desc=f"reference {name}")
+        for batch in it:
+            ids = batch["pair_ids"].numpy()
+            if device is not None:
+                batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            ref = reference_pair_logps(model, batch, reference_model=reference_model, autocast=autocast,
+                                       chunk_size=chunk_size)
+            values[0, ids] = ref.chosen.double().cpu().numpy()
+            values[1, ids] = ref.rejected.double().cpu().numpy()
+            values[2, ids] += 1
+        if world > 1:
+            comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            t = torch.from_numpy(values).to(comm)
+            dist.all_reduce(t)
+            values = t.cpu().numpy()
+    except BaseException:
+        cache.reference = ref_attached
+        raise
+    chosen, rejected, seen = values
+    bad = np.flatnonzero((seen != 1) | ~np.isfinite(chosen) | ~np.isfinite(rejected))
+    if len(bad):
+        raise RuntimeError(f"precompute_reference: {len(bad)} pairs got no single finite reference log-prob "
+                           f"(first: pair {int(bad[0])})")
+    if rank == 0:
+        from safetensors.numpy import save
+
+        meta = {"cache_fingerprint": cache.fingerprint(), "name": name, "n_pairs": str(len(cache)),
+                "description": description, "format": "ftlib-pair-reference-v1"}
+        path = cache.reference_path(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = save({"chosen": np.ascontiguousarray(chosen), "rejected": np.ascontiguousarray(rejected)},
+                    metadata=meta)
+        atomic_write(path, lambda tmp: tmp.write_bytes(data))
+    if world > 1:
+        dist.barrier()
+    cache.load_reference(name)
+    return cache
+
+
+# ---- losses ------------------------------------------------------------------------------------------
+def dpo_sigmoid_loss(logits: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
+    """(1 - ε) softplus(-β Δ) + ε softplus(β Δ) per pair; ``logits`` = Δ."""
+    h = beta * logits
+    return (1 - label_smoothing) * F.softplus(-h) + label_smoothing * F.softplus(h)
+
+
+def robust_dpo_loss(logits: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    """((1 - ε) softplus(-β Δ) - ε softplus(β Δ)) / (1 - 2ε), the unbiased loss under label flips of rate ε."""
+    h = beta * logits
+    return ((1 - label_smoothing) * F.softplus(-h) - label_smoothing * F.softplus(h)) / (1 - 2 * label_smoothing)
+
+
+def ipo_loss(logits: torch.Tensor, beta: float) -> torch.Tensor:
+    """(Δ - 1 / (2β))^2 per pair."""
+    return (logits - 1 / (2 * beta)) ** 2
+
+
+def hinge_loss(logits: torch.Tensor, beta: float) -> torch.Tensor:
+    """max(0, 1 - β Δ) per pair."""
+    return torch.relu(1 - beta * logits)
+
+
+def simpo_loss(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor, beta: float, gamma: float,
+               label_smoothing: float = 0.0) -> torch.Tensor:
+    """h = β (π̄_c - π̄_r) - γ;  (1 - ε) softplus(-h) + ε softplus(h) per pair (mean log-probs in)."""
+    h = beta * (chosen_mean - rejected_mean) - gamma
+    return (1 - label_smoothing) * F.softplus(-h) + label_smoothing * F.softplus(h)
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - e^x) for x < 0, accurate on both sides of -ln 2 (Mächler 2012)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_loss(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor, beta: float) -> torch.Tensor:
+    """-π̄_c + β softplus(-(odds_c - odds_r)), odds(x) = x - log(1 - e^x); mean log-probs in.
+
+    Means are clamped to <= -1e-6 so the odds stay finite when a response has probability ~1.
+    """
+    c, r = chosen_mean.clamp(max=-1e-6), rejected_mean.clamp(max=-1e-6)
+    log_odds = (c - _log1mexp(c)) - (r - _log1mexp(r))
+    return -chosen_mean + beta * F.softplus(-log_odds)
+
+
+@dataclass
+class PreferenceOutput:
+    """Per-pair ``losses`` [P] (with grad) and detached logging values [P]."""
+
+    losses: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+    @property
+    def margins(self) -> torch.Tensor:
+        return self.chosen_rewards - self.rejected_rewards
+
+    @property
+    def accuracies(self) -> torch.Tensor:
+        return (self.chosen_rewards > self.rejected_rewards).to(self.chosen_rewards.dtype)
+
+    def stats(self) -> dict:
+        """Batch means as Python floats (reward accuracy, margin, chosen/rejected rewards, loss)."""
+        if self.losses.numel() == 0:
+            return {"n_pairs": 0}
+        return {"n_pairs": int(self.losses.numel()), "loss": float(self.losses.detach().mean()),
+                "reward_accuracy": float(self.accuracies.mean()), "reward_margin": float(self.margins.mean()),
+                "reward_chosen": float(self.chosen_rewards.mean()), "reward_rejected": float(self.rejected_rewards.mean())}
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """A DPO-family loss (module docstring): ``PreferenceLoss(kind, beta, ...)(policy, reference)``.
+
+    ``label_smoothing`` ε for sigmoid (conservative DPO), robust (< 0.5) and simpo; ``gamma`` the SimPO
+    target margin; ``length_normalize`` None = per-kind default (simpo, orpo, ipo: mean log-probs;
+    others: sums); ``reference_free`` scores sigmoid/robust/ipo/hinge against ρ = 0.
+    """
+
+    kind: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    gamma: float = 0.5
+    length_normalize: bool | None = None
+    reference_free: bool = False
+
+    def __post_init__(self):
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"unknown preference loss {self.kind!r}; choose one of {', '.join(LOSS_KINDS)}")
+        if not self.beta > 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+        hi = 0.5 if self.kind == "robust" else 1.0
+        if not 0 <= self.label_smoothing < hi:
+            raise ValueError(f"label_smoothing must be in [0, {hi}) for {self.kind}, got {self.label_smoothing}")
+        if self.label_smoothing and self.kind not in ("sigmoid", "robust", "simpo"):
+            raise ValueError(f"label_smoothing does not apply to the {self.kind} loss")
+        if self.kind in _REFERENCE_FREE and self.length_normalize is False:
+            raise ValueError(f"{self.kind} is defined on length-normalised log-probs (length_normalize=False refused)")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kind not in _REFERENCE_FREE and not self.reference_free
+
+    @property
+    def normalize(self) -> bool:
+        if self.length_normalize is not None:
+            return self.length_normalize
+        return self.kind in ("simpo", "orpo", "ipo")
+
+    def __call__(self, policy: PairLogps, reference: PairLogps | None = None) -> PreferenceOutput:
+        pc, pr = policy.values(self.normalize)
+        b, k = self.beta, self.kind
+        if k in _REFERENCE_FREE:
+            if k == "simpo":
+                losses = simpo_loss(pc, pr, b, self.gamma, self.label_smoothing)
+            else:
+                losses = orpo_loss(pc, pr, b)
+            return PreferenceOutput(losses, (b * pc).detach(), (b * pr).detach())
+        if reference is None:
+            if self.needs_reference:
+                raise ValueError(f"the {k} loss needs reference log-probs (or reference_free=True)")
+            rc, rr = torch.zeros_like(pc), torch.zeros_like(pr)
+        else:
+            if reference.chosen_n.shape != policy.chosen_n.shape or not (
+                    torch.equal(reference.chosen_n.cpu(), policy.chosen_n.cpu())
+                    and torch.equal(reference.rejected_n.cpu(), policy.rejected_n.cpu())):
+                raise ValueError("reference and policy log-probs cover different response tokens (token counts differ)")
+            rc, rr = (v.to(pc.dtype).detach() for v in reference.values(self.normalize))
+        logits = (pc - pr) - (rc - rr)
+        if k == "sigmoid":
+            losses = dpo_sigmoid_loss(logits, b, self.label_smoothing)
+        elif k == "robust":
+            losses = robust_dpo_loss(logits, b, self.label_smoothing)
+        elif k == "ipo":
+            losses = ipo_loss(logits, b)
+        else:
+            losses = hinge_loss(logits, b)
+        return PreferenceOutput(losses, (b * (pc - rc)).detach(), (b * (pr - rr)).detach())
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)

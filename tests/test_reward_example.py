@@ -1,0 +1,110 @@
+"""End to end: examples/reward_model.py --demo learns (held-out accuracy rises), writes the rewards into the
+pairs files, and its files load in transformers (merged model) and peft (decayed LoRA adapter) with equal scores."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    sys.path.insert(0, str(EXAMPLES))
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: threads only contend on a shared machine
+    try:
+        import reward_model
+
+        out = tmp_path_factory.mktemp("rm")
+        model, metrics = reward_model.main(["--demo", "--out", str(out), "--steps", "120", "--log-every", "40",
+                                            "--decay-rank", "8", "--decay-at", "0.75", "--offload-blocks", "1"])
+    finally:
+        torch.set_num_threads(n)
+        sys.path.remove(str(EXAMPLES))
+        sys.modules.pop("reward_model", None)
+        sys.modules.pop("_demo_assets", None)
+    return out, model, metrics
+
+
+def _docs(out, n=6):
+    from ftlib.data import render_chat
+    from ftlib.models import load_tokenizer
+
+    tok = load_tokenizer(out / "demo" / "base")
+    recs = [json.loads(line) for line in (out / "scored" / "eval.jsonl").read_text().splitlines()][:n]
+    docs = [tok.encode(render_chat(r["messages"] + [{"role": "assistant", "content": r["chosen"]}], tok.chat_template),
+                       add_special_tokens=False) for r in recs]
+    return tok, recs, docs
+
+
+def _padded(docs, pad):
+    t = max(map(len, docs))
+    ids = torch.full((len(docs), t), pad)
+    mask = torch.zeros(len(docs), t, dtype=torch.long)
+    for i, d in enumerate(docs):
+        ids[i, : len(d)], mask[i, : len(d)] = torch.tensor(d), 1
+    return ids, mask
+
+
+def test_demo_accuracy_rises_and_rewards_are_written(run):
+    out, model, m = run
+    print(f"held-out pairwise accuracy: before {m['accuracy_before']:.3f}, after {m['accuracy_after']:.3f} "
+          f"({m['eval_pairs']} held-out pairs, {m['train_pairs']} training pairs)")
+    assert m["accuracy_after"] >= m["accuracy_before"] + 0.15 and m["accuracy_after"] >= 0.65
+    assert m["ranks"] == [8]
+    for name in ("train", "eval"):
+        recs = [json.loads(line) for line in (out / "scored" / f"{name}.jsonl").read_text().splitlines()]
+        src = [json.loads(line) for line in (out / "demo" / "pairs" / f"{name}.jsonl").read_text().splitlines()]
+        assert len(recs) == len(src)
+        for r, s in zip(recs, src):
+            assert {k: r[k] for k in s} == s  # every input field kept
+            assert isinstance(r["reward_chosen"], float) and isinstance(r["reward_rejected"], float)
+    acc = sum(r["reward_chosen"] > r["reward_rejected"] for r in recs) / len(recs)
+    assert acc == pytest.approx(m["accuracy_after"], abs=1 / len(recs))  # the file holds the evaluated scores
+
+
+def test_merged_reward_model_loads_in_transformers_with_the_files_scores(run):
+    transformers = pytest.importorskip("transformers")
+    out, model, _ = run
+    tok, recs, docs = _docs(out)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out / "reward_model").eval()
+    ids, mask = _padded(docs, tok.pad_token_id)
+    with torch.no_grad():
+        got = hf(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+    want = torch.tensor([r["reward_chosen"] for r in recs])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_decayed_adapter_loads_in_peft_with_equal_scores(run):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    out, model, _ = run
+    cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert cfg["task_type"] == "SEQ_CLS" and cfg["r"] == 16 and set(cfg["rank_pattern"].values()) == {8}
+    tok, recs, docs = _docs(out)
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(out / "demo" / "base", num_labels=1)
+    base.config.pad_token_id = tok.pad_token_id
+    pm = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+    ids, mask = _padded(docs, tok.pad_token_id)
+    with torch.no_grad():
+        got = pm(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+    torch.testing.assert_close(got, torch.tensor([r["reward_chosen"] for r in recs]), atol=1e-4, rtol=1e-4)
+
+
+def test_bad_pairs_file_names_the_line(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import reward_model
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}\n'
+                 '{"messages": [{"role": "user", "content": "q"}], "chosen": "a"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: field 'rejected' must be a string"):
+        reward_model.read_pairs(str(f))
+    f.write_text('{"messages": "hi", "chosen": "a", "rejected": "b"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:1: field 'messages'"):
+        reward_model.read_pairs(str(f))
+    sys.modules.pop("reward_model", None)
