@@ -779,6 +779,9 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module | None = None, 
         state = json.loads((path / STATE_JSON).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{where}: unreadable train state ({e})") from None
+    if state.get("model_kind") == "sharded":
+        raise CheckpointError(f"{path}: a sharded checkpoint (saved by several ranks); load it with "
+                              "ftlib.distributed.load_sharded_checkpoint, on any number of processes")
     small = _read_tensors(path / STATE_TENSORS) if (path / STATE_TENSORS).is_file() else {}
 
     def part(name: str) -> Any:

@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 
-def run_torchrun(worker: Path, out_dir: Path, timeout: float = 120.0) -> None:
-    """Launch ``worker`` on 2 CPU ranks (gloo); kill the whole process group on timeout."""
+def run_torchrun(worker: Path, out_dir: Path, timeout: float = 120.0, args: tuple[str, ...] = (), nproc: int = 2) -> None:
+    """Launch ``worker out_dir *args`` on ``nproc`` ranks (2 CPU ranks, gloo, by default); kill the whole
+    process group on timeout."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
-           str(out_dir)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(worker),
+           str(out_dir), *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

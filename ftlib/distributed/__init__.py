@@ -1,0 +1,50 @@
+"""Multi-GPU training on PyTorch's own engine: FSDP2 / HSDP / DDP, sharded checkpoints, exports, memory.
+
+    env = init_distributed()                                   # torchrun sets RANK, WORLD_SIZE, ...
+    model = load_pretrained(path, dtype=torch.bfloat16, device=env.device)
+    apply_lora(model, LoRAConfig(r=16, target_modules="all-linear", quantize="nf4"))   # QLoRA
+    train_model = shard_model(CausalLMLoss(model), mixed_precision="bf16")           # FSDP2
+    opt = TrainOptimizer(make_adamw(param_groups(model, lr=2e-4)))
+    ckpt = ShardedCheckpointer("runs/x/checkpoints", keep=3)
+    ...                                                         # the usual loop
+    ckpt.save(step, model=train_model, optimizer=opt, scheduler=sched, clipper=clip, loader=loader)
+    export_adapter(train_model, "runs/x/adapter")               # PEFT format, from rank 0
+    export_merged(train_model, "runs/x/merged")                 # HF format, one layer at a time
+
+Modules: ``sharding`` (``shard_model``, ``wrap_ddp``, ``device_mesh``, ``init_distributed``),
+``checkpoint`` (``ShardedCheckpointer``, ``load_sharded_checkpoint``), ``export``
+(``export_adapter``, ``export_merged``), ``memory`` (``estimate_memory``; the CLI
+``python -m ftlib.distributed memory --model config.json --gpus 8 --lora-r 16 --qlora``).
+"""
+
+from .checkpoint import ShardedCheckpointer, load_sharded_checkpoint, save_sharded_checkpoint
+from .export import export_adapter, export_merged
+from .memory import MemoryEstimate, estimate_memory
+from .sharding import (
+    DistEnv,
+    decoder_blocks,
+    device_mesh,
+    init_distributed,
+    is_rank0,
+    mixed_precision_policy,
+    shard_model,
+    wrap_ddp,
+)
+
+__all__ = [
+    "DistEnv",
+    "MemoryEstimate",
+    "ShardedCheckpointer",
+    "decoder_blocks",
+    "device_mesh",
+    "estimate_memory",
+    "export_adapter",
+    "export_merged",
+    "init_distributed",
+    "is_rank0",
+    "load_sharded_checkpoint",
+    "mixed_precision_policy",
+    "save_sharded_checkpoint",
+    "shard_model",
+    "wrap_ddp",
+]

@@ -1,0 +1,64 @@
+"""``python -m ftlib.distributed memory``: per-GPU memory of full / LoRA / QLoRA fine-tuning (see ``memory``).
+
+    python -m ftlib.distributed memory --model config.json --gpus 8 --lora-r 16 --qlora
+    python -m ftlib.distributed memory --model meta-llama-3-8b/ --gpus 1 2 4 8       # all three methods
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .memory import METHODS, estimate_memory, format_table, load_config
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ftlib.distributed", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("memory", help="estimate per-GPU memory (parameters, gradients, optimizer, activations)")
+    m.add_argument("--model", required=True, help="a Hugging Face config.json, or the folder holding it")
+    m.add_argument("--gpus", type=int, nargs="+", default=[1], help="number(s) of GPUs (ranks), e.g. 1 2 4 8")
+    m.add_argument("--shard-size", type=int, default=None,
+                   help="ranks per FSDP2 shard group (HSDP: shard within a node, replicate across); default all")
+    m.add_argument("--method", choices=METHODS, action="append", help="full, lora or qlora (repeatable; default all)")
+    m.add_argument("--qlora", action="store_true", help="same as --method qlora")
+    m.add_argument("--full", action="store_true", help="same as --method full")
+    m.add_argument("--lora-r", type=int, default=16)
+    m.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
+    m.add_argument("--lora-dropout", type=float, default=0.05)
+    m.add_argument("--batch-size", type=int, default=1, help="packed rows per micro-batch per rank")
+    m.add_argument("--seq-len", type=int, default=2048)
+    m.add_argument("--no-grad-ckpt", action="store_true", help="without activation checkpointing")
+    m.add_argument("--optimizer", choices=["adamw", "adamw8bit"], default="adamw")
+    m.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    args = p.parse_args(argv)
+
+    methods = list(args.method or [])
+    methods += ["qlora"] * args.qlora + ["full"] * args.full
+    methods = list(dict.fromkeys(methods)) or list(METHODS)
+    targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
+    try:
+        config = load_config(args.model)
+        rows = [estimate_memory(config, method=meth, gpus=g, shard_size=args.shard_size, lora_r=args.lora_r,
+                                lora_targets=targets, lora_dropout=args.lora_dropout, batch_size=args.batch_size,
+                                seq_len=args.seq_len, grad_ckpt=not args.no_grad_ckpt, optimizer=args.optimizer)
+                for meth in methods for g in args.gpus]
+    except (OSError, ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        for r in rows:
+            print(json.dumps(r.to_dict()))
+        return 0
+    e0 = rows[0]
+    print(f"{args.model}: {e0.n_params / 1e9:.2f}B parameters; {args.batch_size} x {args.seq_len} tokens per rank, "
+          f"activation checkpointing {'off' if args.no_grad_ckpt else 'on'}, {args.optimizer}"
+          + (f", LoRA r={args.lora_r} on {args.targets}" if any(m != "full" for m in methods) else ""))
+    print("GiB on the busiest rank (see ftlib/distributed/memory.py for what each column counts)\n")
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
