@@ -45,6 +45,7 @@ from ftlib.data import SkipReport, iter_records, render_chat
 from ftlib.data.pair_batches import MarginFilter, PairLoader
 from ftlib.data.pairs import PairConfig, PairFormatter, build_pair_cache
 from ftlib.lora import LoRAConfig, apply_lora, count_params, load_adapter, merge_and_unload, save_adapter
+from ftlib.losses import head_weight
 from ftlib.models import generate, load_pretrained, load_tokenizer, save_pretrained
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups
 from ftlib.preference import (
@@ -366,7 +367,7 @@ class PolicyLogps(torch.nn.Module):
 
     def forward(self, batch):
         hidden = self.model.model(batch["input_ids"], **{k: batch[k] for k in self.KEYS if k in batch})
-        seq = sequence_logprobs(hidden, self.model.lm_head.weight, batch["labels"], cu_seqlens=batch.get("cu_seqlens"))
+        seq = sequence_logprobs(hidden, head_weight(self.model.lm_head), batch["labels"], cu_seqlens=batch.get("cu_seqlens"))
         ci, ri = batch["chosen_index"], batch["rejected_index"]
         return seq.sum[ci], seq.sum[ri], seq.count[ci], seq.count[ri]
 

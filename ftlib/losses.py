@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["IGNORE_INDEX", "auto_chunk_size", "cross_entropy_sum", "chunked_cross_entropy", "count_target_tokens",
-           "bradley_terry_loss"]
+           "bradley_terry_loss",
+           "head_weight"]
 
 IGNORE_INDEX = -100
 
@@ -195,3 +196,18 @@ def bradley_terry_loss(
             raise ValueError(f"margin must be a float or a [{d.shape[0]}] tensor, got shape {tuple(m.shape)}")
         d = d - m
     return -F.logsigmoid(d).sum(), torch.tensor(d.shape[0], dtype=torch.int64, device=d.device)
+
+
+def head_weight(lm_head: torch.nn.Module) -> torch.Tensor:
+    """The [V, H] weight the chunked losses multiply the hidden states by: ``lm_head.weight`` of a plain
+    linear head, the adapted ``W + s B A`` of a LoRA-wrapped one (``LoRALinear.effective_weight``:
+    gradients reach the adapter). A head with a bias is refused: the chunked losses take no bias."""
+    fn = getattr(lm_head, "effective_weight", None)
+    if callable(fn):
+        return fn()
+    w = getattr(lm_head, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.ndim != 2:
+        raise TypeError(f"head_weight: {type(lm_head).__name__} has no [V, H] weight; pass a linear head")
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("head_weight: the LM head has a bias, which the chunked losses do not add")
+    return w

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .losses import IGNORE_INDEX
+from .losses import IGNORE_INDEX, head_weight
 
 __all__ = [
     "SequenceLogprobs", "sequence_logprobs", "PairLogps", "pair_logps", "reference_pair_logps",
@@ -185,7 +185,7 @@ def pair_logps(model, batch: dict, *, chunk_size: int = 1024) -> PairLogps:
     """Policy log-probs of a pair batch (packed or padded, ``ftlib.data.pair_batches``) through ``model``
     (a ``LlamaForCausalLM``: ``model.model`` gives hidden states, ``model.lm_head`` the head)."""
     hidden = model.model(batch["input_ids"], **{k: batch[k] for k in _LAYOUT if k in batch})
-    seq = sequence_logprobs(hidden, model.lm_head.weight, batch["labels"], cu_seqlens=batch.get("cu_seqlens"),
+    seq = sequence_logprobs(hidden, head_weight(model.lm_head), batch["labels"], cu_seqlens=batch.get("cu_seqlens"),
                             chunk_size=chunk_size)
     ci, ri = batch["chosen_index"].to(seq.sum.device), batch["rejected_index"].to(seq.sum.device)
     return PairLogps(seq.sum[ci], seq.sum[ri], seq.count[ci], seq.count[ri])

@@ -26,6 +26,7 @@ never merged in place (re-quantizing would drop most of the update): use
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,7 @@ class LoRALinear(nn.Module):
         if use_dora:
             # m = ||W + s B A||_row = ||W||_row at init (B = 0)
             self.lora_magnitude_vector = nn.Parameter(self.weight_norm().to(adapter_dtype))
+        self._warned_weight_dropout = False
 
     # ---- initialisation --------------------------------------------------------------------
     def reset_parameters(self, init: str = "kaiming") -> None:
@@ -183,6 +185,31 @@ class LoRALinear(nn.Module):
         # result + (m/n - 1) W x + (m/n) s B A x, as two fused multiply-adds; exact at init (m/n = 1, B = 0)
         y = torch.addcmul(result.to(mag_scale.dtype), mag_scale - 1, base_nobias)
         return torch.addcmul(y, mag_scale * self.scaling, lora).to(out_dtype)
+
+    def effective_weight(self) -> torch.Tensor:
+        """The adapted weight ``W' = W + s B A`` [out, in] (DoRA: rows scaled by ``m / ||W + s B A||``,
+        the norm detached as in the forward), differentiable in the adapter's parameters.
+
+        For callers that multiply by the weight themselves instead of calling the layer: the chunked
+        losses read an LM head's weight (``ftlib.losses.head_weight``), so a LoRA-adapted ``lm_head``
+        trains through this. Costs one [out, in] tensor (and its gradient in backward): 1 GB in bf16
+        for a 128k x 4096 head. Dropout acts on the layer's input, which a weight cannot carry: with
+        dropout > 0 in training mode this warns once and applies none (the update's expectation over
+        the masks is the undropped one).
+        """
+        base = self.base_weight() if self.is_quantized else self.base_layer.weight
+        if self.disabled or self.merged:
+            return base
+        if self.training and not isinstance(self.lora_dropout, nn.Identity) and not self._warned_weight_dropout:
+            warnings.warn("LoRALinear.effective_weight: the adapter's input dropout is not applied (a weight "
+                          "cannot carry it); set dropout 0 for this module to silence this", stacklevel=2)
+            self._warned_weight_dropout = True
+        a, b = self.lora_A.weight, self.lora_B.weight
+        delta = (b.float() @ a.float()) * self.scaling if a.dtype != torch.float64 else (b @ a) * self.scaling
+        w = base.to(delta.dtype) + delta
+        if self.use_dora:
+            w = (self.lora_magnitude_vector.to(w.dtype) / self.weight_norm().to(w.dtype)).unsqueeze(1) * w
+        return w.to(base.dtype)
 
     # ---- merging ---------------------------------------------------------------------------
     @torch.no_grad()
