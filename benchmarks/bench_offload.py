@@ -45,7 +45,7 @@ CONFIGS = ["plain", "ckpt_all", "offload_all", "save_on_cpu", "ckpt_3of4"]
 
 
 def count_8b() -> None:
-    from ftlib.models.llama import LlamaDecoderLayer, _AttnInputs
+    from ftlib.models.llama import BatchPlan, LlamaDecoderLayer
     from ftlib.models.rope import rope_cos_sin, rope_inv_freq
 
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -57,11 +57,20 @@ def count_8b() -> None:
 
     def inputs(t):
         x = torch.randn(1, t, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        plan = BatchPlan.build(torch.zeros(1, t, dtype=torch.long))
         inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None, torch.device("cpu"))
-        cos, sin = rope_cos_sin(inv, torch.arange(t)[None], torch.bfloat16)
-        return x, _AttnInputs(cos, sin)
+        plan.cos, plan.sin = rope_cos_sin(inv, plan.position_ids, torch.bfloat16)
+        return x, plan
 
-    r = saved_bytes_per_token(holder.layer, inputs, tokens=(32, 64), min_bytes_at=8192)
+    old = os.environ.get("FTLIB_ATTN_BACKEND")
+    os.environ["FTLIB_ATTN_BACKEND"] = "torch"  # the reference attention, whose saved tensors the docstring counts
+    try:
+        r = saved_bytes_per_token(holder.layer, inputs, tokens=(32, 64), min_bytes_at=8192)
+    finally:
+        if old is None:
+            os.environ.pop("FTLIB_ATTN_BACKEND")
+        else:
+            os.environ["FTLIB_ATTN_BACKEND"] = old
     per_block = r["per_token"]
     print(f"Llama-3-8B block, LoRA r=16 all-linear, bf16, reference attention: {per_block:,.0f} bytes/token "
           f"(+ {r['quadratic']:,.0f} bytes/token^2 of attention scores); in tensors >= 1 MiB at 8k tokens: "

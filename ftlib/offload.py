@@ -26,15 +26,15 @@ or ``part="attn"`` on a block whose MLP activations are offloaded, each do what 
 
 Memory and bandwidth, Llama-3-8B (H = 4096, I = 14336, 32 layers, GQA 32/8, bf16, LoRA r = 16 on
 every linear layer, no dropout), counted with :func:`saved_bytes_per_token` on ftlib's decoder block
-(``benchmarks/bench_offload.py --count-8b``): a block saves 197,512 bytes per token with the
+(``benchmarks/bench_offload.py --count-8b``): a block saves 181,128 bytes per token with the
 PyTorch reference attention (plus its T^2 scores), of which 28,800 are the reference's fp32 copies
 of q/k/v; flash-attn saves bf16 q, k, v and the log-sum-exp instead (12,416), so on a GPU a block
-saves about 181 KB per token, all but ~0.2% of it in tensors above the 1 MiB threshold at 8k
-tokens: 5.8 MB per token for the 32 blocks, 47 GB for an 8k-token micro-batch. Offloading moves
+saves about 165 KB per token, all but ~0.2% of it in tensors above the 1 MiB threshold at 8k
+tokens: 5.3 MB per token for the 32 blocks, 43 GB for an 8k-token micro-batch. Offloading moves
 those bytes to the host in forward and back in backward. A block's forward costs about
 2 x 218M = 436 MFLOP per token (plus ~67 for causal attention at 8k); at 400 TFLOP/s (an H100 at
-~40% of peak) that is ~1.25 us, so hiding the copies of every block needs ~145 GB/s each way,
-about 3x what PCIe 5.0 x16 gives (~50 GB/s per direction measured, 64 theoretical; PCIe 4.0 ~25).
+~40% of peak) that is ~1.25 us, so hiding the copies of every block needs ~130 GB/s each way,
+about 2.6x what PCIe 5.0 x16 gives (~50 GB/s per direction measured, 64 theoretical; PCIe 4.0 ~25).
 So offload about a third of the blocks on PCIe 5.0 (a sixth on 4.0) and checkpoint the rest, or
 offload everything when the step is memory-bound rather than compute-bound (long sequences on a
 small GPU). Host memory: the offloaded bytes, pinned.

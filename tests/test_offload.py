@@ -173,28 +173,37 @@ def test_an_exception_inside_a_block_pops_the_hooks():
     assert off.stats["offloaded_tensors"] == before
 
 
-def test_saved_bytes_per_token_on_meta():
-    """The docstring's 8B numbers come from this count: check it on a tiny block against a CPU count."""
+def test_saved_bytes_per_token_on_meta(monkeypatch):
+    """The docstring's 8B numbers come from this count (reference attention): check it on a tiny block
+    against a CPU count; the default CPU path (SDPA's fused kernels) saves no T x T scores."""
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     counts = {}
-    for device in ("cpu", "meta"):
+    for device in ("cpu", "meta", "cpu-fused"):
+        if device == "cpu-fused":
+            monkeypatch.delenv("FTLIB_ATTN_BACKEND")
+            device = "cpu"
+        else:
+            monkeypatch.setenv("FTLIB_ATTN_BACKEND", "torch")
         with torch.device(device):
             model = LlamaForCausalLM(cfg)
         layer = model.model.layers[0]
-        from ftlib.models.llama import _AttnInputs
+        from ftlib.models.llama import BatchPlan
         from ftlib.models.rope import rope_cos_sin, rope_inv_freq
 
         def inputs(t, device=device):
             x = torch.randn(1, t, 32, device=device, requires_grad=True)
+            plan = BatchPlan.build(torch.zeros(1, t, dtype=torch.long, device=device))
             inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None, torch.device(device))
-            cos, sin = rope_cos_sin(inv, torch.arange(t, device=device)[None], x.dtype)
-            return x, _AttnInputs(cos, sin)
+            plan.cos, plan.sin = rope_cos_sin(inv, plan.position_ids, x.dtype)
+            return x, plan
 
-        counts[device] = saved_bytes_per_token(layer, inputs, tokens=(16, 32))
+        key = "cpu-fused" if device == "cpu" and "cpu" in counts else device
+        counts[key] = saved_bytes_per_token(layer, inputs, tokens=(16, 32))
     assert counts["meta"] == counts["cpu"]
     assert counts["cpu"]["per_token"] > 32 * 4 * 4  # at least a few hidden-size fp32 vectors per token
     assert counts["cpu"]["quadratic"] > 0  # the reference attention's scores
+    assert abs(counts["cpu-fused"]["quadratic"]) < 1e-6, counts  # output and log-sum-exp only
 
 
 def test_bookkeeping_stays_bounded_over_many_steps():

@@ -24,17 +24,18 @@ rank r rows ``[r c, (r + 1) c)`` of every tensor, c = ceil(rows / S) for a shard
   kernel that keeps q, k, v, its output and the fp32 log-sum-exp (flash-attn, ftlib's Triton
   kernel):
 
-      RMSNorm x 2     2 x (4H fp32 upcast + 4 rsqrt + 2H output)              = 12H + 8
-                      full fine-tuning: + 2 x 2H normalised input (gain grads) = 16H + 8
+      RMSNorm x 2     2 x (2H input + 4 fp32 1/rms + 2H output)               = 8H + 8
+                      (the gain's gradient is recomputed from them: full fine-tuning adds nothing)
       attention       2 (Hq D + 2 Hkv D) q, k, v + 2 Hq D output + 4 Hq lse    = 4 Hq D + 4 Hkv D + 4 Hq
       SwiGLU          2I each: gate, up, silu(gate), silu(gate) * up            = 8I
       LoRA            per adapted linear: 2r (A's output); with dropout p > 0
-                      also 2 in (dropped input) + 1 in (its mask)              = 2r + 3 in
+                      also its 1-byte keep mask (the input is the base's)      = 2r + in
 
   (A_block bytes). With activation checkpointing a block keeps only its input (2H) and one
   block at a time is recomputed: ``L * 2H * T + A_block * T``; without it ``L * A_block * T``.
-  Plus the head: final norm (8H) and the chunked loss (2H of hidden per token and a 4-byte
-  log-sum-exp), and two [1024, V] fp32 logit blocks of the chunk in flight.
+  Plus the head: final norm (2H input + 4) and the chunked loss (its 2H gradient of the hidden
+  state, computed in forward, and a 4-byte log-sum-exp), and the one [rows, V] fp32 logit block
+  of the chunk in flight (``ftlib.losses.auto_chunk_size``: ~64 MiB).
 
 ``total`` is the peak: params + optimizer + activations + the larger of the forward's gathered
 bytes and the backward's gathered bytes plus the gradients (the gradients do not exist yet in
@@ -56,6 +57,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from ..losses import auto_chunk_size
 
 __all__ = ["METHODS", "MemoryEstimate", "activation_bytes_per_token", "estimate_memory", "load_config"]
 
@@ -125,20 +128,18 @@ def activation_bytes_per_token(config, *, lora_targets: dict[str, int] | None = 
     """A_block of the module doc: bytes one decoder block saves for backward per token.
 
     ``lora_targets``: {linear leaf name: in_features} of the adapted linears of one block, with
-    rank ``lora_r``; ``train_norms``: the RMSNorm gains are trained (full fine-tuning), so their
-    normalised inputs are kept too.
+    rank ``lora_r``; ``train_norms``: the RMSNorm gains are trained (full fine-tuning), which keeps
+    nothing more (ftlib's RMSNorm recomputes the normalised input from x and 1/rms in backward).
     """
     h, i = config.hidden_size, config.intermediate_size
     hq, hkv, d, a = config.num_attention_heads, config.num_key_value_heads, config.head_dim, act_bytes
-    per = 2 * (4 * h + 4 + a * h)  # two RMSNorms: the fp32 upcast, the fp32 rsqrt, the output
-    if train_norms:
-        per += 2 * a * h  # ... and the normalised input of the gain, for its gradient
+    per = 2 * (a * h + 4 + a * h)  # two RMSNorms: the input, the fp32 1/rms, the output (the next linear's input)
     per += a * (hq * d + 2 * hkv * d) + a * hq * d + 4 * hq  # q, k, v; the attention output; fp32 lse
     per += 4 * a * i  # gate, up, silu(gate), silu(gate) * up
     for n_in in (lora_targets or {}).values():
         per += a * lora_r  # lora_A's output, kept by lora_B
         if lora_dropout > 0:
-            per += (a + 1) * n_in  # the dropped input and its bool mask
+            per += n_in  # the 1-byte keep mask; the input itself is what the base linear keeps
     return int(per)
 
 
@@ -146,7 +147,7 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
                     lora_r: int = 16, lora_targets="all-linear", lora_dropout: float = 0.05, use_dora: bool = False,
                     batch_size: int = 1,
                     seq_len: int = 2048, grad_ckpt: bool = True, optimizer: str = "adamw",
-                    dtype: torch.dtype = torch.bfloat16, loss_chunk: int = 1024) -> MemoryEstimate:
+                    dtype: torch.dtype = torch.bfloat16, loss_chunk: int | None = None) -> MemoryEstimate:
     """Estimate one rank's memory for fine-tuning ``config`` (a ``LlamaConfig`` or a config.json path).
 
     ``method``: full | lora | qlora (NF4 with double quantization). ``gpus``: ranks;
@@ -240,7 +241,8 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
     per_block = activation_bytes_per_token(config, lora_targets=layer0, lora_r=lora_r, lora_dropout=lora_dropout,
                                            train_norms=method == "full", act_bytes=2)
     acts = (n_layers * 2 * h * t + per_block * t) if grad_ckpt else n_layers * per_block * t
-    acts += (8 * h + 2 * h + 4) * t + 2 * min(loss_chunk, t) * config.vocab_size * 4
+    rows = loss_chunk or auto_chunk_size(config.vocab_size)
+    acts += (2 * h + 4 + 2 * h + 4) * t + min(rows, t) * config.vocab_size * 4
     return MemoryEstimate(method, gpus, s, n_params, n_train, persistent, grads, opt, max(fwd, bwd), acts, fwd, bwd)
 
 

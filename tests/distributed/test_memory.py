@@ -106,14 +106,12 @@ def _saved_bytes(model, ids) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
-def test_activation_formula_is_what_autograd_saves(monkeypatch, method):
+@pytest.mark.parametrize("method,dropout", [("lora", 0.0), ("lora", 0.1), ("full", 0.0)])
+def test_activation_formula_is_what_autograd_saves(monkeypatch, method, dropout):
     """bf16 model, flash-like attention: one decoder block's saved tensors (the 2-layer model's minus
     the 1-layer model's, parameters excluded) are the formula's bytes exactly.
 
-    Without LoRA dropout: its term follows CUDA's fused dropout (a 1-byte mask); CPU's unfused
-    dropout keeps its mask in the input's dtype, so it cannot be checked here."""
-    dropout = 0.0
+    With LoRA dropout a 1-byte keep mask per adapted linear (``ftlib.lora.dropout``)."""
     monkeypatch.setattr(llama_mod, "attention", lambda q, k, v, *, softmax_scale, **kw: _FlashLike.apply(
         q, k, v, softmax_scale))
     t = 48
