@@ -29,13 +29,17 @@ Variants:
   ftlib-compile    the same with every decoder block under torch.compile(fullgraph=True)
   hf-pad           transformers (sdpa) + peft, random order, dynamic padding
   hf-group         transformers (sdpa) + peft, length-grouped dynamic padding (transformers'
-                   LengthGroupedSampler, the Trainer's ``group_by_length``)
+                   LengthGroupedSampler, the Trainer's ``group_by_length``, a fixed number of
+                   documents per batch: a batch of long documents holds several times the tokens)
+  hf-budget        the same length-grouped order cut into batches of at most ``--seq-len`` padded
+                   tokens (a token budget, as careful users bucket): little padding and a constant
+                   batch size in tokens, the strongest padded configuration here
   hf-packed-xdoc   transformers + peft on ftlib's packed rows through ``position_ids`` only:
                    with sdpa/eager attention transformers does NOT isolate the documents, so
                    tokens attend across document boundaries; shown, marked, never a reference
 
 Rounds alternate the variants (A B C ... A B C ...); the table shows medians over rounds.
-Ratios are against the best *correct* transformers variant (the faster of hf-pad / hf-group)
+Ratios are against the best *correct* transformers variant (the fastest of hf-pad / hf-group / hf-budget)
 and against hf-pad. Throughput is real (non-pad) tokens per second of wall time after the
 warm-up steps; ``tok/CPU-s`` divides by the process's CPU time instead (steadier on a shared
 machine). Peak memory: the process's peak RSS on CPU (ru_maxrss: weights, framework,
@@ -73,8 +77,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-VARIANTS = ["ftlib", "ftlib-compile", "hf-pad", "hf-group", "hf-packed-xdoc"]
-CORRECT_HF = ("hf-pad", "hf-group")
+VARIANTS = ["ftlib", "ftlib-compile", "hf-pad", "hf-group", "hf-budget", "hf-packed-xdoc"]
+CORRECT_HF = ("hf-pad", "hf-group", "hf-budget")
 LR = 3e-3
 LORA = dict(r=16, alpha=32, dropout=0.05)
 
@@ -139,6 +143,20 @@ def corpora(spec):
 def padded_batch_size(train: Corpus, tokens: int) -> int:
     """Documents per padded batch: as many real tokens on average as a packed micro-batch."""
     return max(1, round(tokens / float(np.mean(train.lengths))))
+
+
+def budget_batches(order, lengths, budget: int):
+    """Consecutive documents of ``order`` grouped while ``documents x longest <= budget`` padded tokens."""
+    batch, longest = [], 0
+    for j in order:
+        n = int(lengths[j])
+        if batch and max(longest, n) * (len(batch) + 1) > budget:
+            yield batch
+            batch, longest = [], 0
+        batch.append(j)
+        longest = max(longest, n)
+    if batch:
+        yield batch
 
 
 def doc_lengths(batch) -> list[int]:
@@ -375,20 +393,24 @@ def worker_hf(spec):
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True)
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=spec["bf16"])
     B = padded_batch_size(train, spec["seq_len"] * spec["rows"])
+    budget = spec["seq_len"] * spec["rows"]
 
     def order():
         g = torch.Generator().manual_seed(0)
         epoch = 0
         while True:
             g.manual_seed(epoch)
-            if variant == "hf-group":
+            if variant in ("hf-group", "hf-budget"):
                 from transformers.trainer_pt_utils import LengthGroupedSampler
 
                 idx = list(LengthGroupedSampler(B, lengths=train.lengths.tolist(), generator=g))
             else:
                 idx = torch.randperm(len(train), generator=g).tolist()
-            for i in range(0, len(idx) - B + 1, B):
-                yield pad_batch([train[j] for j in idx[i : i + B]])
+            if variant == "hf-budget":
+                yield from (pad_batch([train[j] for j in b]) for b in budget_batches(idx, train.lengths, budget))
+            else:
+                for i in range(0, len(idx) - B + 1, B):
+                    yield pad_batch([train[j] for j in idx[i : i + B]])
             epoch += 1
 
     def packed_rows():

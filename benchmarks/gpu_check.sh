@@ -52,7 +52,7 @@ FTLIB_ATTN_AUTOTUNE=0 step "pytest -m gpu" 120 pytest_gpu.log \
 step "bench_attention.py" 70 bench_attention.log \
     "$PY" benchmarks/bench_attention.py --out "$OUT/attention.csv" --budget-s 55
 FTLIB_ATTN_AUTOTUNE=0 step "bench_train.py --device cuda --gpu-1b" 70 bench_train.log \
-    "$PY" benchmarks/bench_train.py --device cuda --gpu-1b --variants ftlib,hf-group,hf-pad --rounds 1 \
+    "$PY" benchmarks/bench_train.py --device cuda --gpu-1b --variants ftlib,hf-budget,hf-group,hf-pad --rounds 1 \
     --docs 1200 --tokens 98304 --budget-s 40 --out "$OUT"
 step "bench_lora.py --kernels" 45 bench_lora.log \
     "$PY" benchmarks/bench_lora.py --kernels --out "$OUT/lora_gpu.csv" --budget-s 30

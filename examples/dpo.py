@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
 from ftlib.data import SkipReport, iter_records, render_chat
 from ftlib.data.pair_batches import MarginFilter, PairLoader
@@ -117,6 +118,10 @@ def parse_args(argv=None):
     p.add_argument("--num-proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="tokenizer processes")
     p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
     p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
+    p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --out")
+    p.add_argument("--save-every", type=int, default=None,
+                   help="steps between checkpoints (default: 10%% of the run; 0: only the final one)")
+    p.add_argument("--keep", type=int, default=3, help="newest checkpoints kept")
     p.add_argument("--save-merged", action="store_true", help="also write a merged bf16 HF checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--demo", action="store_true", help="tiny model + pairs built on the fly, SFT first")
@@ -281,22 +286,39 @@ def main(argv=None):
     sched = LRScheduler(opt.optimizer, schedule)
     clipper = GlobalNormClipper(args.clip)
 
-    eval_kw = dict(loss_fn=loss_fn, pad_id=pad_id, seq_len=args.seq_len, device=device, autocast=opt.autocast)
-    before = None
-    if "eval" in caches and rank == 0:
-        before = evaluate(model, caches["eval"], **eval_kw)
-        before.update(exact_match(model, tok, args.eval_data, pcfg, template, device, args.eval_generate))
-        log("held-out before: " + _fmt(before))
+    # checkpoints and resume: the main job's pieces (ftlib.checkpoint; finetune_lora.resume), the
+    # margin filter's counts and the log so far ride in the checkpoint's extra state.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from finetune_lora import resume as resume_run
 
-    # 5. the loop.
-    step, t0, tokens_seen, logs = 0, time.perf_counter(), 0, []
+    save_every = args.save_every if args.save_every is not None else max(1, total // 10)
+    step, extra, _ = resume_run(args, out / "checkpoints", model=model, opt=opt, sched=sched, clipper=clipper,
+                                loader=loader, steps_per_epoch=steps_per_epoch, world=world, rank=rank, log=log)
+    tokens_seen, logs = extra.get("tokens_seen", 0), extra.get("logs", [])
+    if mfilter is not None and "filter" in extra:
+        mfilter.load_state_dict(extra["filter"])
+    ckpt = Checkpointer(out / "checkpoints", keep=args.keep) if rank == 0 else None
+
+    eval_kw = dict(loss_fn=loss_fn, pad_id=pad_id, seq_len=args.seq_len, device=device, autocast=opt.autocast)
+    before, before_file = None, out / "eval_before.json"
+    if "eval" in caches and rank == 0:
+        if step == 0:  # the starting model (a fresh adapter changes nothing)
+            before = evaluate(model, caches["eval"], **eval_kw)
+            before.update(exact_match(model, tok, args.eval_data, pcfg, template, device, args.eval_generate))
+            before_file.write_text(json.dumps(before) + "\n")
+            log("held-out before: " + _fmt(before))
+        elif before_file.exists():
+            before = json.loads(before_file.read_text())
+
+    # 5. the loop: one iteration = one optimizer step over grad_accum micro-batches.
+    t0 = time.perf_counter()
+    tokens_at_start = tokens_seen
     train_model.train()
-    for epoch in range(args.epochs):
-        loader.set_epoch(epoch)
+    while step < total:
+        epoch, window = divmod(step, steps_per_epoch)
+        loader.set_epoch(epoch)  # mid-epoch after a resume: the loader state says where
         it = iter(loader)
-        for _ in range(steps_per_epoch):
-            if step >= total:
-                break
+        for _ in range(window, steps_per_epoch):
             stats = []
             for micro in range(args.grad_accum):
                 batch = next(it)
@@ -323,11 +345,21 @@ def main(argv=None):
                        "reward_accuracy": round(_pair_mean(stats, "reward_accuracy"), 3),
                        "reward_margin": round(_pair_mean(stats, "reward_margin"), 4), "lr": sched.get_last_lr()[0],
                        "grad_norm": round(result.grad_norm, 4), "skipped": opt.skipped_steps,
-                       "response_tokens_per_s": round(tokens_seen / (time.perf_counter() - t0), 1)}
+                       "response_tokens_per_s": round((tokens_seen - tokens_at_start) / (time.perf_counter() - t0), 1)}
                 if mfilter is not None:
                     rec["filter"] = dict(mfilter.counts, threshold=round(mfilter.threshold(step), 4))
                 logs.append(rec)
                 log(json.dumps(rec))
+            if ckpt is not None and ((save_every and step % save_every == 0) or step == total):
+                extra = {"tokens_seen": tokens_seen, "logs": logs}
+                if mfilter is not None:
+                    extra["filter"] = mfilter.state_dict()
+                ckpt.save(step, model=model, optimizer=opt, scheduler=sched, clipper=clipper, loader=loader,
+                          base_model_name_or_path=args.model, extra=extra)
+            if step >= total:
+                break
+    if ckpt is not None:
+        ckpt.close()  # waits for the last background write
     if world > 1:
         torch.distributed.barrier()
 

@@ -3,7 +3,6 @@ manifest and held-out report, and its PEFT-format adapter reloads exactly; rerun
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -121,7 +120,6 @@ def test_eval_split_holds_out_training_documents(finetune_lora, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("FTLIB_SLOW"), reason="the full demo takes 1-3 minutes: set FTLIB_SLOW=1")
 def test_full_demo_answers_held_out_questions(finetune_lora, tmp_path):
     finetune_lora.main(["--demo", "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -50,3 +50,39 @@ def test_demo_dpo_improves_held_out_reward_accuracy(tmp_path, monkeypatch):
         assert (sft()(ids) - want).abs().max() > 1e-3, "DPO changed nothing"
     for name in ("dpo", "finetune_lora", "_demo_assets"):
         sys.modules.pop(name, None)
+
+
+def test_dpo_resume_after_a_cut_ends_with_the_same_adapter(tmp_path, monkeypatch):
+    """The main job's checkpoints in the DPO loop: a run cut after its first checkpoint and resumed with
+    --resume ends bit for bit where the uninterrupted run ends (CPU, fp32)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import dpo
+
+    args = ["--demo", "--demo-pairs", "64", "--demo-sft-steps", "3", "--max-steps", "6", "--save-every", "3",
+            "--log-every", "1", "--eval-generate", "0", "--num-proc", "1", "--num-workers", "0"]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        full = tmp_path / "full"
+        _, res = dpo.main(args + ["--out", str(full)])
+        assert sorted(p.name for p in (full / "checkpoints").glob("step-*")) == ["step-00000003", "step-00000006"]
+        cut = tmp_path / "cut"
+        shutil.copytree(full, cut)
+        shutil.rmtree(cut / "checkpoints" / "step-00000006")
+        shutil.rmtree(cut / "adapter")
+        with pytest.raises(SystemExit, match="--resume"):  # a used --out is not overwritten silently
+            dpo.main(args + ["--out", str(cut)])
+        _, res2 = dpo.main(args + ["--out", str(cut), "--resume"])
+    finally:
+        torch.set_num_threads(n)
+    assert res2["log"] == res["log"][:3] + res2["log"][3:] and [r["step"] for r in res2["log"]] == list(range(1, 7))
+    assert [r["loss"] for r in res2["log"]] == [r["loss"] for r in res["log"]]
+    a = load_file(str(full / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    for name in ("dpo", "finetune_lora", "_demo_assets"):
+        sys.modules.pop(name, None)
