@@ -271,13 +271,11 @@ def main(argv=None):
     if world > 1:
         train_model = torch.nn.parallel.DistributedDataParallel(
             train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    steps_per_epoch = len(loader) // args.grad_accum
-    total = steps_per_epoch * args.epochs
-    if args.max_steps is not None:
-        total = min(total, args.max_steps)
-    if total < 1:
-        raise SystemExit(f"not enough pairs for one optimizer step ({len(loader)} micro-batches, --grad-accum "
-                         f"{args.grad_accum})")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from finetune_lora import plan_steps  # examples/finetune_lora.py: the main job's step plan and resume
+    from finetune_lora import resume as resume_run
+
+    steps_per_epoch, total = plan_steps(args, len(loader))
     warmup = resolve_warmup(total, warmup_ratio=args.warmup_ratio)
     if args.schedule == "plateau":
         schedule = PlateauCosine(total=total, warmup=warmup, min_lr_ratio=0.1)
@@ -288,9 +286,6 @@ def main(argv=None):
 
     # checkpoints and resume: the main job's pieces (ftlib.checkpoint; finetune_lora.resume), the
     # margin filter's counts and the log so far ride in the checkpoint's extra state.
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from finetune_lora import resume as resume_run
-
     save_every = args.save_every if args.save_every is not None else max(1, total // 10)
     step, extra, _ = resume_run(args, out / "checkpoints", model=model, opt=opt, sched=sched, clipper=clipper,
                                 loader=loader, steps_per_epoch=steps_per_epoch, world=world, rank=rank, log=log)

@@ -134,13 +134,7 @@ def main(argv=None):
         + (f"; held out: {len(eval_loader.docs)} documents" if eval_loader is not None else ""))
 
     # 3. optimizer over the sharded parameters, schedule, checkpoints, resume.
-    steps_per_epoch = len(loader) // args.grad_accum
-    total = steps_per_epoch * args.epochs
-    if args.max_steps is not None:
-        total = min(total, args.max_steps)
-    if total < 1:
-        raise SystemExit(f"not enough data for one optimizer step ({len(loader)} micro-batches per rank, "
-                         f"--grad-accum {args.grad_accum})")
+    steps_per_epoch, total = one.plan_steps(args, len(loader))
     save_every = args.save_every if args.save_every is not None else max(1, total // 10)
     eval_every = args.eval_every if args.eval_every is not None else save_every
     opt, clipper, sched = one.build_optimizer(args, model, total, precision)

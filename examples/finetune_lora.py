@@ -253,6 +253,18 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
     return loader, eval_loader, fcfg, fp
 
 
+def plan_steps(args, micro_batches: int) -> tuple[int, int]:
+    """(optimizer steps per epoch, total steps) for ``micro_batches`` per epoch and rank."""
+    steps_per_epoch = micro_batches // args.grad_accum
+    total = steps_per_epoch * args.epochs
+    if args.max_steps is not None:
+        total = min(total, args.max_steps)
+    if total < 1:
+        raise SystemExit(f"not enough data for one optimizer step ({micro_batches} micro-batches per rank, "
+                         f"--grad-accum {args.grad_accum})")
+    return steps_per_epoch, total
+
+
 def build_optimizer(args, model, total: int, precision: str):
     """Optimizer (token-weighted accumulation), clipper and schedule for ``total`` optimizer steps."""
     groups = param_groups(model, lr=args.lr, weight_decay=args.weight_decay, lora_plus_ratio=args.lora_plus)
@@ -474,13 +486,7 @@ def main(argv=None):
         + (f"; held out: {len(eval_loader.docs)} documents" if eval_loader is not None else ""))
 
     # 3. optimizer, clipper, schedule; checkpoints; resume.
-    steps_per_epoch = len(loader) // args.grad_accum
-    total = steps_per_epoch * args.epochs
-    if args.max_steps is not None:
-        total = min(total, args.max_steps)
-    if total < 1:
-        raise SystemExit(f"not enough data for one optimizer step ({len(loader)} micro-batches, "
-                         f"--grad-accum {args.grad_accum})")
+    steps_per_epoch, total = plan_steps(args, len(loader))
     save_every = args.save_every if args.save_every is not None else max(1, total // 10)
     eval_every = args.eval_every if args.eval_every is not None else save_every
     opt, clipper, sched = build_optimizer(args, model, total, precision)
