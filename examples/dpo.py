@@ -62,7 +62,7 @@ from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
 DEFAULTS = {"max_length": 1024, "batch_size": 2, "grad_accum": 8, "epochs": 1, "lr": 5e-6, "beta": 0.1}
 # beta 0.5: with 0.1 the tiny demo model drifts far from the reference and its generations degrade
 DEMO_DEFAULTS = {"max_length": 64, "batch_size": 4, "grad_accum": 1, "epochs": 1, "lr": 1e-3, "beta": 0.5}
-DEMO_SFT_STEPS = 150  # finetune_lora.py --demo's recipe (3 epochs, ~150 steps): the answer format, most of the task
+DEMO_SFT_STEPS = 150  # the demo adapter (r 64, alpha 256) for ~150 steps: the answer format, most of the task
 
 
 def parse_args(argv=None):
