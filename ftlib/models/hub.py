@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -109,30 +110,24 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         mod._buffers[attr] = value
 
 
-def load_pretrained(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str | None = None) -> LlamaForCausalLM:
-    """Build a ``LlamaForCausalLM`` from a checkpoint directory or hub repo id.
-
-    ``dtype`` (torch dtype or "bfloat16"/"float16"/"float32"): target dtype of every
-    floating tensor; None keeps each tensor's stored dtype. ``device``: target
-    device (default CPU). A repo id is fetched through ``huggingface_hub`` (its
-    cache; no network when already cached). Raises with the file and tensor name
-    on a missing or unexpected tensor, a shape mismatch or a corrupt file.
-    """
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from a dtype or its name ("bfloat16", "float16", "float32"); None stays None."""
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
-        dtype = _DTYPES[dtype]
-    device = torch.device(device if device is not None else "cpu")
-    root = resolve_model_dir(path_or_repo_id)
-    config = _read_config(root / "config.json")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    expected = dict(model.state_dict(keep_vars=True))
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-    loaded: dict[str, str] = {}
+        return _DTYPES[dtype]
+    return dtype
 
+
+def _read_weights(model: nn.Module, root: Path, expected: dict[str, torch.Tensor], *, dtype: torch.dtype | None,
+                  device: torch.device, what: str, skip: Callable[[str], bool]) -> dict[str, str]:
+    """Read every checkpoint tensor under ``root`` into the meta-built ``model``, one tensor in flight.
+
+    Tensors matched by ``_IGNORED`` or ``skip(name)`` are passed over; any other name must be in
+    ``expected`` (its shape too), stored once, and listed files must hold what the index lists.
+    Returns {tensor name: file it came from}; the caller checks what is missing.
+    """
+    loaded: dict[str, str] = {}
     for fname, listed in _weight_files(root).items():
         with SafetensorsReader(fname) as f:
             names = f.keys()
@@ -140,10 +135,10 @@ def load_pretrained(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | str
             if missing_listed:
                 raise ValueError(f"{fname}: the index lists tensors this file lacks: {missing_listed[:5]}")
             for name in names:
-                if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                if _IGNORED.search(name) or skip(name):
                     continue
                 if name not in expected:
-                    raise ValueError(f"{fname}: unexpected tensor {name!r} (not part of a {config.model_type} model)")
+                    raise ValueError(f"{fname}: unexpected tensor {name!r} (not part of {what})")
                 if name in loaded:
                     raise ValueError(f"{fname}: tensor {name!r} also stored in {loaded[name]}")
                 want, got = tuple(expected[name].shape), f.shape(name)
@@ -154,6 +149,29 @@ def load_pretrained(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | str
                     t = t.to(dtype)
                 _set_tensor(model, name, t)
                 loaded[name] = fname
+    return loaded
+
+
+def load_pretrained(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str | None = None) -> LlamaForCausalLM:
+    """Build a ``LlamaForCausalLM`` from a checkpoint directory or hub repo id.
+
+    ``dtype`` (torch dtype or "bfloat16"/"float16"/"float32"): target dtype of every
+    floating tensor; None keeps each tensor's stored dtype. ``device``: target
+    device (default CPU). A repo id is fetched through ``huggingface_hub`` (its
+    cache; no network when already cached). Raises with the file and tensor name
+    on a missing or unexpected tensor, a shape mismatch or a corrupt file.
+    """
+    dtype, device = _resolve_dtype(dtype), torch.device(device if device is not None else "cpu")
+    root = resolve_model_dir(path_or_repo_id)
+    config = _read_config(root / "config.json")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = dict(model.state_dict(keep_vars=True))
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    loaded = _read_weights(model, root, expected, dtype=dtype, device=device, what=f"a {config.model_type} model",
+                           skip=lambda name: name == "lm_head.weight" and config.tie_word_embeddings)
 
     missing = sorted(set(expected) - set(loaded))
     if missing:

@@ -36,9 +36,8 @@ import torch
 from torch import nn
 
 from .._atomic import atomic_write
-from ._safetensors_io import SafetensorsReader
 from .config import LlamaConfig
-from .hub import _DTYPES, _IGNORED, _read_config, _set_tensor, _weight_files, save_pretrained
+from .hub import _read_config, _read_weights, _resolve_dtype, _set_tensor, save_pretrained
 from .llama import LlamaForCausalLM, LlamaModel
 from .tokenizer import resolve_model_dir
 
@@ -246,11 +245,7 @@ def load_reward_model(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | s
                       device: torch.device | str | None = None) -> LlamaRewardModel:
     """Build a ``LlamaRewardModel`` from a sequence-classification checkpoint, or from a causal-LM one
     (its LM head dropped, a new score head initialised; logged). Errors name the file and tensor."""
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
-        dtype = _DTYPES[dtype]
-    device = torch.device(device if device is not None else "cpu")
+    dtype, device = _resolve_dtype(dtype), torch.device(device if device is not None else "cpu")
     root = resolve_model_dir(path_or_repo_id)
     config = _read_config(root / "config.json")
     id2label = config.extra.get("id2label")  # transformers derives num_labels from it
@@ -260,28 +255,8 @@ def load_reward_model(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | s
     with torch.device("meta"):
         model = LlamaRewardModel(config, model=LlamaModel(config))
     expected = dict(model.state_dict(keep_vars=True))
-    loaded: dict[str, str] = {}
-    for fname, listed in _weight_files(root).items():
-        with SafetensorsReader(fname) as f:
-            names = f.keys()
-            missing_listed = sorted(set(listed) - set(names))
-            if missing_listed:
-                raise ValueError(f"{fname}: the index lists tensors this file lacks: {missing_listed[:5]}")
-            for name in names:
-                if _IGNORED.search(name) or name == "lm_head.weight":
-                    continue
-                if name not in expected:
-                    raise ValueError(f"{fname}: unexpected tensor {name!r} (not part of a {config.model_type} reward model)")
-                if name in loaded:
-                    raise ValueError(f"{fname}: tensor {name!r} also stored in {loaded[name]}")
-                want, got = tuple(expected[name].shape), f.shape(name)
-                if got != want:
-                    raise ValueError(f"{fname}: tensor {name!r} has shape {got}, the config expects {want}")
-                t = f.read(name).to(device)
-                if dtype is not None and t.is_floating_point():
-                    t = t.to(dtype)
-                _set_tensor(model, name, t)
-                loaded[name] = fname
+    loaded = _read_weights(model, root, expected, dtype=dtype, device=device,
+                           what=f"a {config.model_type} reward model", skip=lambda name: name == "lm_head.weight")
     if "score.weight" not in loaded:
         ref = loaded.get("model.embed_tokens.weight")
         like = model.model.embed_tokens.weight if ref else None
