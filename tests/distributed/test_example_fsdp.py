@@ -3,16 +3,16 @@ writes sharded checkpoints and a PEFT adapter; a run cut after its first checkpo
 with the same adapter, bit for bit; the DDP engine runs the same loop."""
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the torchrun launcher
+from _torchrun import torchrun  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,19 +23,7 @@ ARGS = ("--demo", "--max-steps", "6", "--save-every", "3", "--log-every", "2", "
 def launch(out: Path, *extra: str, timeout: float = 300.0) -> str:
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with gloo")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
-           "--out", str(out), *ARGS, *extra]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        text, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
-        raise AssertionError(f"finetune_fsdp.py timed out:\n{text[-3000:]}") from None
-    assert proc.returncode == 0, text[-5000:]
-    return text
+    return torchrun(SCRIPT, "--out", str(out), *ARGS, *extra, timeout=timeout)
 
 
 def test_fsdp_demo_trains_checkpoints_and_resumes_bitwise(tmp_path):
