@@ -26,8 +26,8 @@ Tables (built once on the host, moved to the device once with ``.to(device)``):
 
 Modules: ``tables`` (``SynonymTable``, ``PosLexicon``, ``CoverageReport``), ``tsv`` (the file
 readers), ``lexicon`` (building the tables through a tokenizer), ``apply`` (``AugmentConfig``,
-``augment``). They import downwards only: apply -> tables, lexicon -> tables + tsv, and the
-kernel in ``ftlib.kernels``.
+``augment``). They import downwards only: apply -> tables; lexicon -> tables, tsv; and all but
+tsv -> ``ftlib.kernels`` (the tag constants, the op).
 
 Use in a loop, after the batch reaches the device::
 

@@ -40,6 +40,10 @@ __all__ = [
 ]
 
 
+# ----------------------------------------------------------------------------------------------
+# Tokenizer lookups
+# ----------------------------------------------------------------------------------------------
+
 def _hf_tokenizer(tokenizer):
     """The ``tokenizers.Tokenizer`` behind ``tokenizer`` (itself, or ftlib's PretrainedTokenizer)."""
     inner = getattr(tokenizer, "tokenizer", tokenizer)
