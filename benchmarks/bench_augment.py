@@ -1,6 +1,6 @@
 """Token augmentation throughput: the Triton kernel vs the PyTorch reference, against copy bandwidth.
 
-The operation (ftlib.kernels.augment) is memory-bound: per token it streams the id and the label
+The operation (ftlib.kernels.augment_tokens) is memory-bound: per token it streams the id and the label
 in and the new id out (24 B/token with labels kept; 32 B/token when labels follow the new
 tokens; + 8 B for an int64 attention_mask), and gathers from tables that stay in L2. So the
 figure of merit is GB/s as a fraction of the device's measured copy bandwidth (a
@@ -45,7 +45,7 @@ MODES = {  # name -> (follow labels + drop masked, attention mask, bytes per tok
 
 
 def _tables(vocab: int, device, seed: int = 0):
-    from ftlib.kernels.augment import PROTECTED_TAG
+    from ftlib.kernels.augment_ref import PROTECTED_TAG
 
     g = torch.Generator().manual_seed(seed)
     tags = torch.randint(1, 18, (vocab,), generator=g).to(torch.uint8)
@@ -69,7 +69,7 @@ def _batch(n: int, vocab: int, padded: bool, device, seed: int = 1):
 
 
 def _params(follow: bool):
-    from ftlib.kernels.augment import AugmentParams, probability_threshold
+    from ftlib.kernels.augment_ref import AugmentParams, probability_threshold
 
     return AugmentParams(seed=1234, step=5, swap_threshold=probability_threshold(0.1),
                          mask_threshold=probability_threshold(0.05), mask_tag_bits=0b1110, mask_token_id=3,
@@ -117,13 +117,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from ftlib.kernels.augment import augment_tokens_ref
+    from ftlib.kernels.augment_ref import augment_tokens_ref
 
     cuda = torch.cuda.is_available()
     have_triton = False
     if cuda:
         try:
-            from ftlib.kernels._augment_triton import DEFAULT_BLOCK, DEFAULT_WARPS, augment_tokens_triton
+            from ftlib.kernels.augment_triton import DEFAULT_BLOCK, DEFAULT_WARPS, augment_tokens_triton
 
             have_triton = True
         except ImportError:

@@ -11,13 +11,20 @@ document for packed batches) is the CPU path; ``attention_ref`` the float64 orac
 or NF4 base, dropout) in one op, ``lora_matmul_ref`` its reference; the backend follows
 ``FTLIB_LORA_BACKEND=auto|triton|torch`` (``lora_matmul.py``), the kernels are in
 ``ftlib.kernels.lora_triton``.
+
+``augment_tokens(input_ids, labels, attention_mask, tags, offsets, candidates, params)`` is the
+on-device synonym swap / masking of ``ftlib.augment``, ``augment_tokens_ref`` its reference; the
+backend follows ``FTLIB_AUGMENT_BACKEND=auto|triton|torch`` (``augment_dispatch.py``), the kernel
+is launched by ``ftlib.kernels.augment_triton``.
 """
 
 from .attention_ref import attention_ref
 from .attention_sdpa import attention_sdpa
+from .augment_dispatch import augment_backend, augment_tokens
+from .augment_ref import augment_tokens_ref
 from .dispatch import attention, attention_backend
 from .lora_matmul import lora_backend, lora_matmul
 from .lora_ref import lora_matmul_ref
 
-__all__ = ["attention", "attention_backend", "attention_ref", "attention_sdpa", "lora_backend", "lora_matmul",
-           "lora_matmul_ref"]
+__all__ = ["attention", "attention_backend", "attention_ref", "attention_sdpa", "augment_backend", "augment_tokens",
+           "augment_tokens_ref", "lora_backend", "lora_matmul", "lora_matmul_ref"]

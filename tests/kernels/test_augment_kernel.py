@@ -15,12 +15,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlib.kernels import augment as K
-from ftlib.kernels.augment import (
+from ftlib.kernels import augment_dispatch as K
+from ftlib.kernels import augment_ref as R
+from ftlib.kernels.augment_dispatch import augment_tokens
+from ftlib.kernels.augment_ref import (
     MAX_TAG,
     PROTECTED_TAG,
     AugmentParams,
-    augment_tokens,
     augment_tokens_ref,
     philox4x32_10,
     probability_threshold,
@@ -28,7 +29,7 @@ from ftlib.kernels.augment import (
 
 pytest.importorskip("triton")
 
-from ftlib.kernels._augment_triton import augment_tokens_triton  # noqa: E402
+from ftlib.kernels.augment_triton import augment_tokens_triton  # noqa: E402
 
 U64 = st.integers(0, 2**64 - 1)
 
@@ -149,7 +150,7 @@ def test_reference_host_chunks_give_the_same_result(monkeypatch, chunk):
     params = AugmentParams(seed=9, step=2**32 + 1, swap_threshold=probability_threshold(0.5),
                            mask_threshold=probability_threshold(0.5), mask_token_id=5, follow_labels=True)
     want = augment_tokens_triton(ids, labels, amask, tags, offsets, cands, params, block=256)  # one program
-    monkeypatch.setattr(K, "_HOST_CHUNK", chunk)
+    monkeypatch.setattr(R, "_HOST_CHUNK", chunk)
     got = augment_tokens_ref(ids, labels, amask, tags, offsets, cands, params)
     _assert_same(got[0], want[0], f"input_ids, chunk {chunk}")
     _assert_same(got[1], want[1], f"labels, chunk {chunk}")

@@ -1,8 +1,10 @@
-"""Token augmentation over the flat token batch: synonym swap and tag-aware masking.
+"""Token augmentation over the flat token batch, the PyTorch reference: synonym swap and tag-aware masking.
 
 One pass over the N = B*T tokens of a batch, each token decided on its own (no token looks at
-another), so the PyTorch reference here and the Triton kernel in ``_augment_triton.py`` compute
-the same function element by element and agree bit for bit on any device, block size or grid.
+another), so this reference and the Triton kernel (``_augment_kernels.py``, launched by
+``augment_triton.py``) compute the same function element by element and agree bit for bit on
+any device, block size or grid. ``augment_dispatch.py`` chooses between them. This module also
+holds what both backends share: the constants, ``AugmentParams`` and the input checks.
 
 Inputs (all on one device): ``input_ids`` [...] int64/int32, ``labels`` (same shape, -100 = no
 loss, or None), ``attention_mask`` (same shape, 0 = padding, or None), and three tables over a
@@ -37,17 +39,10 @@ seed, with the step and the flat token index as the counter: every (seed, step, 
 its own four 32-bit words, so the result depends on nothing else. The reference evaluates Philox
 in int64 arithmetic, splitting the 32 x 32-bit products into 16-bit halves so that no
 intermediate exceeds 2^49 (no overflow on any device); the kernel uses native uint32 and umulhi.
-
-Backends: ``augment_tokens`` picks the Triton kernel on CUDA when Triton is installed and the
-reference elsewhere; ``FTLIB_AUGMENT_BACKEND=auto|triton|torch`` forces one, and forcing one
-that cannot run is an error (``flash`` has no augmentation kernel and is refused by name). The
-Triton backend runs on CPU tensors only under ``TRITON_INTERPRET=1`` (the test setup).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
@@ -55,10 +50,14 @@ import torch
 __all__ = [
     "AugmentParams",
     "MAX_TAG",
+    "PHILOX_M0",
+    "PHILOX_M1",
+    "PHILOX_ROUNDS",
+    "PHILOX_W0",
+    "PHILOX_W1",
     "PROTECTED_TAG",
-    "augment_backend",
-    "augment_tokens",
     "augment_tokens_ref",
+    "check_augment_inputs",
     "philox4x32_10",
     "probability_threshold",
 ]
@@ -71,8 +70,6 @@ _M32 = 0xFFFFFFFF
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 PHILOX_ROUNDS = 10
-
-_BACKENDS = ("auto", "triton", "torch")
 
 
 def probability_threshold(p: float) -> int:
@@ -161,7 +158,11 @@ _ID_DTYPES = (torch.int64, torch.int32)
 _MASK_DTYPES = (torch.bool, torch.int64, torch.int32, torch.int8, torch.uint8)
 
 
-def _check_inputs(input_ids, labels, attention_mask, tags, offsets, candidates, params) -> None:
+def check_augment_inputs(input_ids, labels, attention_mask, tags, offsets, candidates, params) -> None:
+    """Raise on arguments no backend accepts (types, dtypes, shapes, devices, vocabulary sizes).
+
+    Reads only metadata, so it never synchronises with the device; every backend calls it first.
+    """
     if not isinstance(params, AugmentParams):
         raise TypeError(f"params must be AugmentParams, got {type(params).__name__}")
     if not torch.is_tensor(input_ids) or input_ids.dtype not in _ID_DTYPES:
@@ -214,7 +215,7 @@ def augment_tokens_ref(input_ids, labels, attention_mask, tags, offsets, candida
     Outputs have the inputs' shapes and dtypes; labels are returned as they are (the same tensor)
     when ``params`` cannot change them, and None stays None.
     """
-    _check_inputs(input_ids, labels, attention_mask, tags, offsets, candidates, params)
+    check_augment_inputs(input_ids, labels, attention_mask, tags, offsets, candidates, params)
     v, lab, am = _flat(input_ids), _flat(labels), _flat(attention_mask)
     write_labels = lab is not None and params.writes_labels
     out = torch.empty_like(v)
@@ -267,44 +268,3 @@ def _reference_chunk(ids, lab, am, first, tags, offsets, candidates, params, wri
     if params.drop_masked:
         new_lab = torch.where(masked, -100, new_lab)
     return new, new_lab
-
-
-# ----------------------------------------------------------------------------------------------
-# Dispatch (the conventions of dispatch.py: a pure decision function, env var forcing, errors)
-# ----------------------------------------------------------------------------------------------
-
-def _choose(want: str, *, is_cuda: bool, have_triton: bool, interpret: bool) -> str:
-    """The backend for one call; pure, so the whole decision table is testable without a GPU."""
-    if want == "flash":
-        raise ValueError("FTLIB_AUGMENT_BACKEND=flash: flash-attn has no augmentation kernel; "
-                         f"expected one of {_BACKENDS}")
-    if want not in _BACKENDS:
-        raise ValueError(f"FTLIB_AUGMENT_BACKEND={want!r}: expected one of {_BACKENDS}")
-    if want == "triton":
-        if not have_triton:
-            raise RuntimeError("FTLIB_AUGMENT_BACKEND=triton but triton is not installed (pip install triton)")
-        if not (is_cuda or interpret):
-            raise RuntimeError("FTLIB_AUGMENT_BACKEND=triton: the Triton kernel needs CUDA tensors "
-                               "(or TRITON_INTERPRET=1 for CPU testing)")
-        return "triton"
-    if want == "torch" or not is_cuda:
-        return "torch"
-    return "triton" if have_triton else "torch"
-
-
-def augment_backend(input_ids: torch.Tensor) -> str:
-    """Name of the backend (``triton`` or ``torch``) ``augment_tokens`` uses for this batch."""
-    return _choose(
-        os.environ.get("FTLIB_AUGMENT_BACKEND", "auto").strip().lower(),
-        is_cuda=input_ids.is_cuda, have_triton=importlib.util.find_spec("triton") is not None,
-        interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
-    )
-
-
-def augment_tokens(input_ids, labels, attention_mask, tags, offsets, candidates, params: AugmentParams):
-    """``augment_tokens_ref``'s result, from the Triton kernel on CUDA (see ``augment_backend``)."""
-    if augment_backend(input_ids) == "triton":
-        from ._augment_triton import augment_tokens_triton
-
-        return augment_tokens_triton(input_ids, labels, attention_mask, tags, offsets, candidates, params)
-    return augment_tokens_ref(input_ids, labels, attention_mask, tags, offsets, candidates, params)

@@ -1,7 +1,7 @@
-"""Triton kernel for token augmentation: one program per BLOCK tokens of the flat batch.
+"""Token augmentation, the ``@triton.jit`` code: one program per BLOCK tokens of the flat batch.
 
-The operation, its math and the reference are in ``augment.py`` beside this file; this module
-holds the ``@triton.jit`` code and its launcher. Per token the kernel loads the id (and label,
+The operation, its math and the reference are in ``augment_ref.py`` beside this file; the
+launcher is ``augment_triton.py``. Per token the kernel loads the id (and label,
 and attention mask when given), gathers the tag byte and, only for tokens whose tag allows a
 swap, the two CSR offsets; evaluates Philox4x32-10 on (flat index, step) keyed by the seed in
 uint32 registers; gathers one candidate for swapped tokens; and writes the new id (and label).
@@ -33,32 +33,12 @@ Expected performance (H200: HBM3e 4.8 TB/s peak, ~4.0-4.3 TB/s for a device-to-d
 
 from __future__ import annotations
 
-import os
-from contextlib import nullcontext
-
-import torch
 import triton
 import triton.language as tl
 
-from .augment import (
-    _M32,
-    MAX_TAG,
-    PHILOX_M0,
-    PHILOX_M1,
-    PHILOX_ROUNDS,
-    PHILOX_W0,
-    PHILOX_W1,
-    PROTECTED_TAG,
-    AugmentParams,
-    _check_inputs,
-    _flat,
-)
+from .augment_ref import MAX_TAG, PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1, PROTECTED_TAG
 
-__all__ = ["augment_tokens_triton", "DEFAULT_BLOCK", "DEFAULT_WARPS"]
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEFAULT_BLOCK = 128 if _INTERPRET else 1024  # the interpreter runs each program in NumPy
-DEFAULT_WARPS = 4
+__all__: list[str] = []
 
 _PM0: tl.constexpr = tl.constexpr(PHILOX_M0)
 _PM1: tl.constexpr = tl.constexpr(PHILOX_M1)
@@ -141,43 +121,3 @@ def _augment_kernel(
         if DROP_MASKED:
             new_lab = tl.where(masked, -100, new_lab)
         tl.store(out_labels_ptr + offs, new_lab.to(out_labels_ptr.dtype.element_ty), mask=inb)
-
-
-def augment_tokens_triton(input_ids, labels, attention_mask, tags, offsets, candidates, params: AugmentParams,
-                          *, block: int | None = None, num_warps: int | None = None):
-    """``augment_tokens_ref``'s result from the Triton kernel (same signature; block/warps to tune)."""
-    _check_inputs(input_ids, labels, attention_mask, tags, offsets, candidates, params)
-    if not input_ids.is_cuda and not _INTERPRET:
-        raise RuntimeError("augment_tokens_triton: needs CUDA tensors (set TRITON_INTERPRET=1 before importing "
-                           "ftlib to run the kernel on CPU for testing)")
-    block = DEFAULT_BLOCK if block is None else block
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of two >= 16, got {block}")
-    ids = _flat(input_ids)
-    lab = _flat(labels)
-    am = _flat(attention_mask)
-    if am is not None and am.dtype == torch.bool:
-        am = am.view(torch.uint8)
-    n = ids.numel()
-    out_ids = torch.empty_like(ids)
-    write_labels = lab is not None and params.writes_labels
-    out_lab = torch.empty_like(lab) if write_labels else None
-    if n == 0:
-        return out_ids.view(input_ids.shape), (out_lab.view(labels.shape) if write_labels else labels)
-    cands = candidates if candidates.numel() else offsets  # any valid pointer: no lane reads it
-    with torch.cuda.device(ids.device) if ids.is_cuda else nullcontext():
-        _augment_kernel[(triton.cdiv(n, block),)](
-            ids, lab if lab is not None else ids, am if am is not None else ids, out_ids,
-            out_lab if write_labels else out_ids,
-            tags, offsets, cands,
-            n, tags.numel(),
-            params.seed & _M32, params.seed >> 32, params.step & _M32, params.step >> 32,
-            params.swap_threshold, params.mask_threshold, params.swap_tag_bits, params.mask_tag_bits,
-            params.mask_token_id, params.pad_id,
-            HAS_LABELS=lab is not None, HAS_AMASK=am is not None, HAS_PAD=params.pad_id >= 0,
-            PROTECT_UNLABELED=params.protect_unlabeled, FOLLOW=params.follow_labels,
-            DROP_MASKED=params.drop_masked and params.mask_threshold > 0, WRITE_LABELS=write_labels,
-            BLOCK=block, num_warps=DEFAULT_WARPS if num_warps is None else num_warps,
-        )
-    return out_ids.view(input_ids.shape), (out_lab.view(labels.shape) if write_labels else labels)
-
