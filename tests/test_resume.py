@@ -181,11 +181,12 @@ def test_one_process_checkpoint_on_two_ranks_replans_exactly_or_is_refused(asset
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _finetune(_small(assets, full, "--grad-accum", "2", "--max-steps", "6"))
+        _finetune(_small(assets, full, "--grad-accum", "2", "--max-steps", "6", "--keep", "10"))
     finally:
         torch.set_num_threads(n)
     cut = tmp_path / "cut"  # the same run cut after step 2
     shutil.copytree(full, cut)
+    assert (cut / "checkpoints" / "step-00000002").is_dir()
     for p in (cut / "checkpoints").glob("step-*"):
         if p.name != "step-00000002":
             shutil.rmtree(p)
