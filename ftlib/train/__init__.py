@@ -20,7 +20,15 @@ below ``examples/``; nothing else in ftlib imports it.
 from .export import TOKENIZER_FILES, copy_tokenizer_files, save_merged
 from .manifest import RUN_MANIFEST, git_commit, write_run_manifest
 from .plan import StepPlan, plan_steps
-from .resume import Resumed, ResumeError, compare_settings, replan_loader_state, resume_train_state, run_extra
+from .resume import (
+    Resumed,
+    ResumeError,
+    compare_settings,
+    replan_loader_state,
+    resume_train_state,
+    run_extra,
+    run_settings,
+)
 from .seed import seed_everything
 
 __all__ = [
@@ -36,6 +44,7 @@ __all__ = [
     "replan_loader_state",
     "resume_train_state",
     "run_extra",
+    "run_settings",
     "save_merged",
     "seed_everything",
     "write_run_manifest",

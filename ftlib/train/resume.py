@@ -54,7 +54,8 @@ from ..checkpoint import latest_checkpoint, load_checkpoint
 from .plan import StepPlan
 from .seed import seed_everything
 
-__all__ = ["ResumeError", "Resumed", "compare_settings", "replan_loader_state", "resume_train_state", "run_extra"]
+__all__ = ["ResumeError", "Resumed", "compare_settings", "replan_loader_state", "resume_train_state", "run_extra",
+           "run_settings"]
 
 RUN_KEY = "run"  # the checkpoint's extra entry written by run_extra
 
@@ -79,6 +80,23 @@ def run_extra(settings: Mapping[str, Any], loader) -> dict:
     """The entry to merge into every checkpoint's ``extra``: the run's settings and its batch geometry."""
     return {RUN_KEY: {"settings": dict(settings), "world_size": int(loader.world_size),
                       "batch_size": int(loader.batch_size)}}
+
+
+def run_settings(values: Mapping[str, Any], names: Iterable[str], *, out: str | os.PathLike | None = None) -> dict:
+    """The settings ``names`` of ``values`` (e.g. ``vars(args)``) as a resume compares them: a path
+    inside the run's folder ``out`` is written ``<out>/relative/path``, so a run folder that was
+    moved or copied resumes (its demo model, its caches) without a spurious change."""
+    root = Path(out).resolve() if out is not None else None
+    settings = {}
+    for k in names:
+        v = values.get(k)
+        if root is not None and isinstance(v, (str, os.PathLike)) and str(v) and (p := Path(v)).exists():
+            try:
+                v = "<out>/" + p.resolve().relative_to(root).as_posix()
+            except ValueError:
+                v = str(v)
+        settings[k] = v
+    return settings
 
 
 def _fmt(v: Any) -> str:
@@ -214,7 +232,7 @@ def resume_train_state(root: str | os.PathLike, *, resume: bool, settings: Mappi
             raise ResumeError(f"{root}: no complete checkpoint to resume from (every one failed verification)")
 
     # 1. the settings and batch geometry the checkpoint was written with, before anything is loaded
-    head = load(path, rng=False) if sharded else load_checkpoint(path, rng=False, verify=False)
+    head = load(path, rng=False, verify=False)  # the state file alone; the full load below verifies
     saved_run = head.extra.get(RUN_KEY) or {}
     overrides_taken: dict[str, tuple[Any, Any]] = {}
     saved_world = saved_run.get("world_size")
