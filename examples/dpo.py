@@ -22,8 +22,11 @@ A real run on one GPU (pairs in JSONL with "prompt"/"messages", "chosen", "rejec
 ``--seq-len`` (packed row) defaults to 2 x ``--max-length``, so every pair fits one row. Under
 ``torchrun --nproc_per_node=N`` the pairs are sharded by rank and gradients averaged by DDP.
 
+Killed? The same command with ``--resume`` continues from the newest good checkpoint, bit for bit; a
+changed setting is refused (named old -> new) unless ``--override name,...`` takes the new value.
+
 ``--demo`` builds the tiny demo model, tokenizer and data (no download), fine-tunes it briefly on the
-word-reversal chat data (``finetune_lora.py``), merges that adapter, then runs DPO on checkable pairs
+word-reversal chat data (``finetune_lora.py``, run as a separate process), merges that adapter, then runs DPO on checkable pairs
 (the reversed list preferred to the same words in a wrong order) and prints the numbers on held-out
 word lists before and after: a few minutes on a 2-core CPU.
 """
@@ -31,8 +34,10 @@ word lists before and after: a few minutes on a 2-core CPU.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -40,14 +45,16 @@ from pathlib import Path
 
 import torch
 
+import ftlib
 from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
 from ftlib.data import SkipReport, iter_records, render_chat
 from ftlib.data.pair_batches import MarginFilter, PairLoader
 from ftlib.data.pairs import PairConfig, PairFormatter, build_pair_cache
+from ftlib.distributed import init_distributed, wrap_ddp
 from ftlib.lora import LoRAConfig, apply_lora, count_params, load_adapter, merge_and_unload, save_adapter
 from ftlib.losses import head_weight
-from ftlib.models import generate, load_pretrained, load_tokenizer, save_pretrained
+from ftlib.models import generate, load_pretrained, load_tokenizer
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups
 from ftlib.preference import (
     LOSS_KINDS,
@@ -58,6 +65,25 @@ from ftlib.preference import (
     sequence_logprobs,
 )
 from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
+from ftlib.train import (
+    ResumeError,
+    plan_steps,
+    resume_train_state,
+    run_extra,
+    run_settings,
+    save_merged,
+    write_run_manifest,
+)
+
+# What a resume compares with the checkpoint's run (ftlib.train.resume): a change is refused unless
+# --override names it; FIXED ones cannot be overridden. batch_size x grad_accum x ranks: the global batch.
+SETTINGS = ("model", "sft_adapter", "format", "chat_template", "max_length", "max_prompt_length", "seq_len",
+            "batch_size", "grad_accum", "epochs", "max_steps", "lr", "lora_plus", "weight_decay", "warmup_ratio",
+            "schedule", "clip", "loss", "beta", "label_smoothing", "gamma", "length_normalize", "reference",
+            "margin_filter", "filter_start", "filter_decay", "filter_every", "filter_floor", "lora_r", "lora_alpha",
+            "lora_dropout", "targets", "rslora", "dora", "qlora", "seed")
+FIXED = ("model", "sft_adapter", "format", "chat_template", "max_length", "max_prompt_length", "seq_len", "lora_r",
+         "lora_alpha", "targets", "rslora", "dora", "seed", "precision", "reference", "data_fingerprint")
 
 DEFAULTS = {"max_length": 1024, "batch_size": 2, "grad_accum": 8, "epochs": 1, "lr": 5e-6, "beta": 0.1}
 # beta 0.5: with 0.1 the tiny demo model drifts far from the reference and its generations degrade
@@ -119,6 +145,8 @@ def parse_args(argv=None):
     p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
     p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
     p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --out")
+    p.add_argument("--override", default="",
+                   help="with --resume: comma-separated settings whose new values the resumed run takes (e.g. lr,beta)")
     p.add_argument("--save-every", type=int, default=None,
                    help="steps between checkpoints (default: 10%% of the run; 0: only the final one)")
     p.add_argument("--keep", type=int, default=3, help="newest checkpoints kept")
@@ -134,21 +162,10 @@ def parse_args(argv=None):
     args.seq_len = args.seq_len or 2 * args.max_length
     if not args.demo and (args.model is None or args.data is None):
         p.error("--model and --data are required (or use --demo)")
+    args.override = [s.strip().replace("-", "_") for s in args.override.split(",") if s.strip()]
+    if args.override and not args.resume:
+        p.error("--override applies to --resume")
     return args
-
-
-def setup_distributed():
-    """(rank, world_size, device); initialises torch.distributed under torchrun."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend)
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
 
 
 def demo_setup(args, out: Path) -> None:
@@ -176,21 +193,28 @@ def demo_setup(args, out: Path) -> None:
                 f.writelines(json.dumps(r) + "\n" for r in recs)
     args.data, args.eval_data = [str(pairs_dir / "train.jsonl")], [str(pairs_dir / "eval.jsonl")]
     if args.sft_adapter is None:
-        import finetune_lora  # examples/finetune_lora.py: the SFT recipe, on the demo chat data
-
         sft_out = out / "sft"
         if not (sft_out / "adapter" / "adapter_config.json").exists():
-            print(f"== SFT first: {args.demo_sft_steps} steps of finetune_lora.py on the demo chat data")
-            finetune_lora.main(["--model", args.model, "--data", str(out / "demo" / "data"), "--out", str(sft_out),
-                                "--seq-len", "256", "--batch-size", "4", "--grad-accum", "1", "--lr", "2e-3",
-                                "--lora-r", "64", "--lora-alpha", "256", "--epochs", "3", "--max-steps", str(args.demo_sft_steps), "--log-every", "25", "--num-proc", "1",
-                                "--num-workers", "0", "--seed", str(args.seed)])
+            print(f"== SFT first: {args.demo_sft_steps} steps of finetune_lora.py on the demo chat data", flush=True)
+            # the SFT recipe as its own process (one process: no torchrun variables), this ftlib first on the path
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+            env["PYTHONPATH"] = os.pathsep.join([str(Path(ftlib.__file__).resolve().parents[1]),
+                                                 *filter(None, [env.get("PYTHONPATH")])])
+            subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "finetune_lora.py"),
+                            "--model", args.model, "--data", str(out / "demo" / "data"), "--out", str(sft_out),
+                            "--seq-len", "256", "--batch-size", "4", "--grad-accum", "1", "--lr", "2e-3",
+                            "--lora-r", "64", "--lora-alpha", "256", "--epochs", "3",
+                            "--max-steps", str(args.demo_sft_steps), "--log-every", "25", "--num-proc", "1",
+                            "--num-workers", "0", "--seed", str(args.seed), "--threads", str(torch.get_num_threads())],
+                           check=True, env=env)
         args.sft_adapter = str(sft_out / "adapter")
 
 
 def main(argv=None):
     args = parse_args(argv)
-    rank, world, device = setup_distributed()
+    env = init_distributed()  # one process without torchrun
+    rank, world, device = env.rank, env.world_size, env.device
     torch.manual_seed(args.seed + rank)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -247,6 +271,7 @@ def main(argv=None):
         c = caches[split]
         log(f"{split} pairs: {len(c)} ({c.n_truncated} truncated; {c.report})")
 
+    data_fp = hashlib.sha256(json.dumps({k: c.fingerprint() for k, c in caches.items()}, sort_keys=True).encode()).hexdigest()
     loss_fn = PreferenceLoss(args.loss, beta=args.beta, label_smoothing=args.label_smoothing, gamma=args.gamma,
                              length_normalize=args.length_normalize)
     # 4. reference log-probs, once, into the caches (adapters disabled: the starting model exactly).
@@ -269,13 +294,12 @@ def main(argv=None):
 
     train_model = PolicyLogps(model)
     if world > 1:
-        train_model = torch.nn.parallel.DistributedDataParallel(
-            train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from finetune_lora import plan_steps  # examples/finetune_lora.py: the main job's step plan and resume
-    from finetune_lora import resume as resume_run
-
-    steps_per_epoch, total = plan_steps(args, len(loader))
+        train_model = wrap_ddp(train_model)
+    try:
+        plan = plan_steps(len(loader), grad_accum=args.grad_accum, epochs=args.epochs, max_steps=args.max_steps)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    steps_per_epoch, total = plan.steps_per_epoch, plan.total
     warmup = resolve_warmup(total, warmup_ratio=args.warmup_ratio)
     if args.schedule == "plateau":
         schedule = PlateauCosine(total=total, warmup=warmup, min_lr_ratio=0.1)
@@ -284,11 +308,20 @@ def main(argv=None):
     sched = LRScheduler(opt.optimizer, schedule)
     clipper = GlobalNormClipper(args.clip)
 
-    # checkpoints and resume: the main job's pieces (ftlib.checkpoint; finetune_lora.resume), the
-    # margin filter's counts and the log so far ride in the checkpoint's extra state.
+    # checkpoints and resume (ftlib.train): weights, optimizer, schedule, clipper, loader position, RNG;
+    # the settings are compared with the saved run's. The margin filter's counts and the log so far
+    # ride in the checkpoint's extra state.
     save_every = args.save_every if args.save_every is not None else max(1, total // 10)
-    step, extra, _ = resume_run(args, out / "checkpoints", model=model, opt=opt, sched=sched, clipper=clipper,
-                                loader=loader, steps_per_epoch=steps_per_epoch, world=world, rank=rank, log=log)
+    settings = run_settings(vars(args), SETTINGS, out=out) | {"precision": precision, "data_fingerprint": data_fp}
+    try:
+        resumed = resume_train_state(out / "checkpoints", resume=args.resume, settings=settings,
+                                     overrides=args.override, fixed=FIXED, plan=plan, seed=args.seed, log=log,
+                                     model=model, optimizer=opt, scheduler=sched, clipper=clipper, loader=loader)
+    except ResumeError as e:
+        raise SystemExit(str(e)) from None
+    step, extra = resumed.step, resumed.extra
+    if rank == 0:
+        write_run_manifest(out, vars(args), device=device, world_size=world, data_fingerprint=data_fp, resume=resumed)
     tokens_seen, logs = extra.get("tokens_seen", 0), extra.get("logs", [])
     if mfilter is not None and "filter" in extra:
         mfilter.load_state_dict(extra["filter"])
@@ -346,7 +379,7 @@ def main(argv=None):
                 logs.append(rec)
                 log(json.dumps(rec))
             if ckpt is not None and ((save_every and step % save_every == 0) or step == total):
-                extra = {"tokens_seen": tokens_seen, "logs": logs}
+                extra = {**run_extra(settings, loader), "tokens_seen": tokens_seen, "logs": logs}
                 if mfilter is not None:
                     extra["filter"] = mfilter.state_dict()
                 ckpt.save(step, model=model, optimizer=opt, scheduler=sched, clipper=clipper, loader=loader,
@@ -371,12 +404,7 @@ def main(argv=None):
                                                        indent=1))
         log(f"adapter saved to {adapter_dir}" + (" (on the SFT-merged base)" if args.sft_adapter else ""))
         if args.save_merged:
-            merged = merge_and_unload(model, dtype=torch.bfloat16)
-            save_pretrained(merged, out / "merged")
-            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                src = Path(args.model) / name
-                if src.exists():
-                    (out / "merged" / name).write_bytes(src.read_bytes())
+            save_merged(model, out / "merged", tokenizer_from=args.model, dtype=torch.bfloat16)
             log(f"merged checkpoint saved to {out / 'merged'}")
     if world > 1:
         torch.distributed.destroy_process_group()

@@ -1,9 +1,9 @@
-"""Fine-tune a Llama-family model with LoRA / rsLoRA / DoRA / QLoRA from a loop you own.
+"""Fine-tune a Llama-family model with LoRA / rsLoRA / DoRA / QLoRA from a loop you own, on 1 GPU or N.
 
 Read it top to bottom, copy it, change it. The recipe:
 
     1. load the base model and tokenizer (Hugging Face folder or hub repo id), adapt it (LoRA,
-       optionally on an NF4-quantized base = QLoRA)
+       optionally on an NF4-quantized base = QLoRA); on several ranks wrap it (DDP or FSDP2)
     2. tokenize the data once into a memory-mapped token cache, pack it into rows
     3. optimizer (token-weighted accumulation), clipper, schedule; resume from the latest good
        checkpoint with --resume
@@ -18,18 +18,31 @@ A real run on one GPU (Llama-3-8B, QLoRA, chat data in JSONL with a "messages" f
         --seq-len 4096 --batch-size 2 --grad-accum 8 --lr 2e-4 --out runs/llama3-qlora
 
 Killed? Run the same command with --resume: it continues from the newest complete checkpoint in
---out/checkpoints and ends with the same weights, bit for bit on CPU, as a run never stopped.
+--out/checkpoints and ends with the same weights, bit for bit on CPU, as a run never stopped. A
+resume with a setting that changes the run (--lr, --clip, --qlora, ...) is refused, naming each
+change old -> new, unless ``--override lr,clip`` says to take the new values; run.json records
+every resume and its overrides. On another number of ranks it continues exactly when the global
+batch (--batch-size x ranks x --grad-accum) is kept, and is refused otherwise.
 
-On several GPUs, launch the same script with ``torchrun --nproc_per_node=N``: the loader shards
-the data by rank, gradients are averaged by DDP and the loss is normalised by the target tokens
-of the whole window on all ranks.
+Several GPUs: launch the same script with ``torchrun --nproc_per_node=N``. The loader shards the
+data by rank and the loss is normalised by the target tokens of the whole window on all ranks.
+
+- ``--engine ddp`` (the default under torchrun): ``ftlib.distributed.wrap_ddp``, gradients
+  averaged across ranks, ``--compression fp16|bf16|powersgd``; rank 0 writes the checkpoints.
+- ``--engine fsdp``: ``ftlib.distributed.shard_model``, one FSDP2 unit per decoder block plus the
+  root, bf16 compute with fp32 gradient reduction under ``--precision bf16``; ``--shard-size N``
+  makes it HSDP (shard within groups of N ranks, replicate across them); ``--cpu-offload`` keeps
+  parameters, gradients and optimizer state in host memory. Checkpoints are sharded (every rank
+  writes its part); the adapter and the merged model are gathered one tensor / layer at a time.
+  ``--eval-generate`` (generation needs the whole model on one rank) is not available here.
+
+    torchrun --standalone --nproc_per_node=8 examples/finetune_lora.py --engine fsdp \\
+        --model meta-llama/Meta-Llama-3-8B-Instruct --data data/chat/ --qlora --grad-ckpt \\
+        --seq-len 4096 --batch-size 2 --grad-accum 4 --save-every 200 --out runs/llama3-qlora-fsdp
 
 ``--demo`` builds a tiny model, tokenizer and chat dataset on the fly (no download): a random
 2-layer model learns to reverse word lists, checked on 64 lists it never saw, in about a minute
 or two on a laptop CPU.
-
-Other scripts reuse the pieces here (``build_parser``, ``setup_distributed``, ``load_model``,
-``build_data``, ``build_optimizer``, ``resume``, ``accumulate``, ``write_manifest``, ...).
 """
 
 from __future__ import annotations
@@ -37,30 +50,45 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import importlib.metadata
 import json
 import os
-import platform
-import random
-import subprocess
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import numpy as np
 import torch
 
-import ftlib
-from ftlib.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
 from ftlib.data import FormatConfig, TokenLoader, build_cache, iter_records, render_chat
-from ftlib.evaluation import causal_lm_loss, evaluate, exact_match
-from ftlib.lora import LoRAConfig, apply_lora, count_params, merge_and_unload, save_adapter
+from ftlib.data.split import heldout_split
+from ftlib.distributed import (
+    ShardedCheckpointer,
+    device_mesh,
+    export_adapter,
+    export_merged,
+    init_distributed,
+    shard_model,
+    wrap_ddp,
+)
+from ftlib.evaluation import evaluate, exact_match
+from ftlib.lora import LoRAConfig, apply_lora, count_params, save_adapter
+from ftlib.losses import CausalLMLoss
 from ftlib.metrics import FlopsModel, MetricsLogger, TokenStats, device_peak_flops, plot_metrics
-from ftlib.models import load_pretrained, load_tokenizer, save_pretrained
+from ftlib.models import load_pretrained, load_tokenizer
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups
 from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
+from ftlib.train import (
+    ResumeError,
+    copy_tokenizer_files,
+    plan_steps,
+    resume_train_state,
+    run_extra,
+    run_settings,
+    save_merged,
+    seed_everything,
+    write_run_manifest,
+)
 
 DEFAULTS = {"seq_len": 2048, "batch_size": 4, "grad_accum": 4, "epochs": 1, "lr": 2e-4, "lora_r": 16,
             "lora_alpha": 32.0, "eval_generate": 0}
@@ -70,10 +98,18 @@ DEFAULTS = {"seq_len": 2048, "batch_size": 4, "grad_accum": 4, "epochs": 1, "lr"
 # the run learns the rule at a seed-dependent step; 3e-3 does not learn it).
 DEMO_DEFAULTS = {"seq_len": 256, "batch_size": 4, "grad_accum": 1, "epochs": 4, "lr": 1.5e-3, "lora_r": 64,
                  "lora_alpha": 256.0, "eval_generate": 64}
+# What a resume compares with the checkpoint's run (ftlib.train.resume): a change is refused unless
+# --override names it; FIXED ones cannot be overridden (the saved state or the data order depends on
+# them). batch_size and grad_accum are checked together with the world size, as the global batch.
+SETTINGS = ("model", "format", "chat_template", "seq_len", "batch_size", "grad_accum", "epochs", "max_steps", "lr",
+            "lora_plus", "weight_decay", "warmup_ratio", "schedule", "clip", "lora_r", "lora_alpha", "lora_dropout",
+            "targets", "rslora", "dora", "qlora", "eval_split", "seed", "augment", "augment_lexicon",
+            "augment_swap_prob", "augment_mask_prob", "augment_mask_token", "neftune_alpha")
+FIXED = ("model", "format", "chat_template", "seq_len", "lora_r", "lora_alpha", "targets", "rslora", "dora",
+         "eval_split", "seed", "precision", "data_fingerprint", "checkpoint_layout")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The flags of this script; other scripts add their own to it."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="HF model folder or hub repo id")
     p.add_argument("--data", nargs="+", help="JSONL/Parquet/text files, folders or tar shards")
@@ -105,6 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op CPU threads (default: torch's choice; demo on CPU: 1)")
+    # several ranks
+    p.add_argument("--engine", choices=["none", "ddp", "fsdp"], default=None,
+                   help="none: one process; ddp: replicate, average gradients; fsdp: shard (FSDP2/HSDP). "
+                        "Default: none, ddp under torchrun")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="fsdp: HSDP, shard within groups of this many ranks (a node), replicate across groups")
+    p.add_argument("--cpu-offload", action="store_true", help="fsdp: parameters, gradients, optimizer state on the host")
+    p.add_argument("--no-reshard-after-forward", action="store_true",
+                   help="fsdp: keep gathered weights from forward to backward (more memory, less communication)")
+    p.add_argument("--compression", choices=["fp16", "bf16", "powersgd"], default=None, help="ddp gradient compression")
     # evaluation
     p.add_argument("--eval-data", nargs="+", help="held-out files/folders (same format as --data)")
     p.add_argument("--eval-split", type=float, default=0.0,
@@ -116,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-max-new-tokens", type=int, default=32)
     # checkpoints, metrics
     p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --out")
+    p.add_argument("--override", default="",
+                   help="with --resume: comma-separated settings whose new values the resumed run takes (e.g. lr,clip)")
     p.add_argument("--save-every", type=int, default=None,
                    help="steps between checkpoints (default: 10%% of the run; 0: only the final one)")
     p.add_argument("--keep", type=int, default=3, help="newest checkpoints kept (plus the best by eval loss)")
@@ -136,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None, parser: argparse.ArgumentParser | None = None):
-    parser = parser or build_parser()
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     for k, v in (DEMO_DEFAULTS if args.demo else DEFAULTS).items():
         if getattr(args, k, None) is None:
@@ -151,27 +199,28 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None):
     for name in ("save_every", "eval_every", "eval_generate"):
         if (getattr(args, name) or 0) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
+    args.override = [s.strip().replace("-", "_") for s in args.override.split(",") if s.strip()]
+    if args.override and not args.resume:
+        parser.error("--override applies to --resume")
     return args
 
 
-def setup_distributed():
-    """(rank, world_size, device); initialises torch.distributed under torchrun."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend)
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+def check_engine(args, world: int) -> None:
+    """--engine and its options fit together and with the number of ranks."""
+    args.engine = args.engine or ("ddp" if world > 1 else "none")
+    if args.engine == "none" and world > 1:
+        raise SystemExit(f"--engine none runs one process, but torchrun started {world}: use --engine ddp or fsdp")
+    if args.engine != "none" and world == 1 and "RANK" not in os.environ:
+        raise SystemExit(f"--engine {args.engine} needs torchrun (torchrun --nproc_per_node=N {Path(__file__).name} ...)")
+    if args.engine != "ddp" and args.compression:
+        raise SystemExit("--compression is a DDP option (--engine ddp)")
+    if args.engine != "fsdp" and (args.shard_size or args.cpu_offload or args.no_reshard_after_forward):
+        raise SystemExit("--shard-size, --cpu-offload and --no-reshard-after-forward are FSDP2 options (--engine fsdp)")
+    if args.engine == "fsdp" and args.eval_generate:
+        if not args.demo:
+            raise SystemExit("--eval-generate is not available under --engine fsdp: generate with finetune_lora.py "
+                             "from the exported adapter")
+        args.eval_generate = 0
 
 
 def prepare_demo(args, out: Path, rank: int, world: int) -> None:
@@ -205,20 +254,6 @@ def load_model(args, device: torch.device, precision: str):
     return model, tok
 
 
-class DocSubset:
-    """Documents ``indices`` of a token cache, as a loader source (``lengths``, ``[i]``); picklable."""
-
-    def __init__(self, docs, indices):
-        self.docs, self.indices = docs, np.asarray(indices, dtype=np.int64)
-        self.lengths = np.asarray(docs.lengths, dtype=np.int64)[self.indices]
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int):
-        return self.docs[int(self.indices[i])]
-
-
 def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device):
     """Tokenize once (cached, fingerprinted), pack rows of seq_len without cross-document attention.
 
@@ -226,9 +261,8 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
     template = args.chat_template or tok.chat_template or "chatml"
     fcfg = FormatConfig(kind=args.format, chat_template=None if args.format == "text" else template,
                         eos_token=tok.eos_token, bos_token=tok.bos_token, max_length=args.seq_len)
-    sources = {"train": args.data, "eval": args.eval_data}
     caches = {}
-    for name, src in sources.items():
+    for name, src in {"train": args.data, "eval": args.eval_data}.items():
         if not src:
             continue
         cache_dir = str(out / ("cache" if name == "train" else "cache-eval"))
@@ -239,9 +273,7 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
         caches[name] = build_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=1, progress=False)
     train_docs, eval_docs = caches["train"], caches.get("eval")
     if args.eval_split:  # a fixed, seeded split of the training documents
-        perm = np.random.default_rng([args.seed, 7]).permutation(len(train_docs))
-        n_eval = max(1, int(round(args.eval_split * len(perm))))
-        eval_docs, train_docs = DocSubset(train_docs, np.sort(perm[:n_eval])), DocSubset(train_docs, np.sort(perm[n_eval:]))
+        train_docs, eval_docs = heldout_split(train_docs, args.eval_split, seed=args.seed)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     loader = TokenLoader(train_docs, batch_size=args.batch_size, seq_len=args.seq_len, pad_id=pad_id, packing=True,
                          seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda")
@@ -252,143 +284,6 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
     fp = hashlib.sha256(json.dumps({name: [s["key"] for s in c.manifest["shards"]] for name, c in caches.items()}
                                    | {"eval_split": args.eval_split}, sort_keys=True).encode()).hexdigest()
     return loader, eval_loader, fcfg, fp
-
-
-def plan_steps(args, micro_batches: int) -> tuple[int, int]:
-    """(optimizer steps per epoch, total steps) for ``micro_batches`` per epoch and rank."""
-    steps_per_epoch = micro_batches // args.grad_accum
-    total = steps_per_epoch * args.epochs
-    if args.max_steps is not None:
-        total = min(total, args.max_steps)
-    if total < 1:
-        raise SystemExit(f"not enough data for one optimizer step ({micro_batches} micro-batches per rank, "
-                         f"--grad-accum {args.grad_accum})")
-    return steps_per_epoch, total
-
-
-def build_optimizer(args, model, total: int, precision: str):
-    """Optimizer (token-weighted accumulation), clipper and schedule for ``total`` optimizer steps."""
-    groups = param_groups(model, lr=args.lr, weight_decay=args.weight_decay, lora_plus_ratio=args.lora_plus)
-    opt = TrainOptimizer(make_adamw(groups, lr=args.lr, weight_decay=args.weight_decay), precision=precision)
-    clipper = GlobalNormClipper(args.clip)
-    warmup = resolve_warmup(total, warmup_ratio=args.warmup_ratio)
-    if args.schedule == "plateau":
-        schedule = PlateauCosine(total=total, warmup=warmup, min_lr_ratio=0.1)
-    else:
-        schedule = WarmupDecay(total=total, warmup=warmup, decay=args.schedule, min_lr_ratio=0.1)
-    return opt, clipper, LRScheduler(opt.optimizer, schedule)
-
-
-class CausalLMLoss(torch.nn.Module):
-    """batch -> (summed token loss, target-token count), without materialising [B, T, V] logits.
-
-    The loss module is what DDP wraps: its forward must run through DDP for gradients to be
-    averaged across ranks."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch):
-        return causal_lm_loss(self.model, batch)
-
-
-def accumulate(train_model, opt: TrainOptimizer, it, grad_accum: int, device, world: int, pad_id: int,
-               augment_step=None, step: int = 0) -> TokenStats:
-    """The loop body before ``opt.step``: forward + backward over one window of micro-batches.
-
-    ``augment_step`` (``--augment`` / ``--neftune-alpha``) transforms each micro-batch on the device,
-    keyed by the global micro-batch index, so a resumed run draws the same augmentation."""
-    window = TokenStats()
-    for micro in range(grad_accum):
-        batch = next(it)
-        window.add(batch, pad_id)  # token counts for the metrics, on the CPU copy
-        batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
-        if augment_step is not None:  # fresh on every micro-batch, keyed by (seed + rank, micro index)
-            batch = augment_step(batch, step * grad_accum + micro)
-        last = micro == grad_accum - 1
-        with opt.grad_sync(train_model, enabled=last) if world > 1 else nullcontext():
-            with opt.autocast():
-                loss_sum, n_tok = train_model(batch)
-            opt.backward(loss_sum, n_tok)
-    return window
-
-
-def _git_commit() -> str | None:
-    here = Path(ftlib.__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if sha.returncode != 0:
-        return None
-    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
-def write_manifest(out: Path, args, *, device, world: int, data_fingerprint: str, resumed_from: str | None) -> dict:
-    """run.json: every argument, versions, git commit, device, seed and data fingerprint, so the
-    run can be reproduced; a resume appends to ``resumes`` and keeps the rest."""
-    path = out / "run.json"
-    old = json.loads(path.read_text()) if path.exists() else None
-    try:  # the version without importing it (slow)
-        tf_version = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        tf_version = None
-    now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    run = old if (old and resumed_from) else {
-        "command": [sys.executable, *sys.argv],
-        "args": vars(args),
-        "versions": {"ftlib": ftlib.__version__, "torch": torch.__version__, "transformers": tf_version,
-                     "python": platform.python_version()},
-        "git_commit": _git_commit(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "world_size": world,
-        "seed": args.seed,
-        "data_fingerprint": data_fingerprint,
-        "started": now,
-        "resumes": [],
-    }
-    if resumed_from:
-        if old and old.get("data_fingerprint") != data_fingerprint:
-            raise SystemExit(f"{path}: the data changed since the run started (fingerprint "
-                             f"{old.get('data_fingerprint')} -> {data_fingerprint}); resume would not be exact")
-        run["resumes"].append({"from": resumed_from, "at": now})
-    tmp = path.with_name(".run.json.tmp")
-    tmp.write_text(json.dumps(run, indent=1, default=str) + "\n")
-    tmp.replace(path)
-    return run
-
-
-def resume(args, root: Path, *, model, opt, sched, clipper, loader, steps_per_epoch: int, world: int,
-           rank: int, log):
-    """Restore the latest good checkpoint under ``root`` (with --resume); return (step, extra, its path)."""
-    if not args.resume:
-        existing = latest_checkpoint(root, full=False)
-        if existing is not None:
-            raise SystemExit(f"{root} holds checkpoints of an earlier run (newest: {existing.name}): pass "
-                             "--resume to continue it, or choose another --out")
-        return 0, {}, None
-    path = latest_checkpoint(root)  # verified; warns about and skips incomplete or corrupt ones
-    if path is None:
-        log(f"--resume: no checkpoint in {root}, starting from step 0")
-        return 0, {}, None
-    # Under DDP the loader position and RNG of every rank but 0 are not in the checkpoint (sharded
-    # train state is ftlib.distributed's): the loader is placed by the step count, the RNG reseeded.
-    state = load_checkpoint(path, model=model, optimizer=opt, scheduler=sched, clipper=clipper,
-                            loader=loader if world == 1 else None, rng=world == 1)
-    epoch, window = divmod(state.step, steps_per_epoch)
-    if world > 1:
-        loader.set_epoch(epoch)
-        loader.step = window * args.grad_accum
-        seed_everything(args.seed + rank + 1_000_003 * state.step)
-        log("note: resuming under DDP restores the weights, optimizer, schedule and data position; dropout "
-            "RNG streams restart from a seed, so the run is not bitwise the same as an uninterrupted one")
-    elif window and (loader.epoch, loader.step) != (epoch, window * args.grad_accum):
-        raise SystemExit(f"{path}: loader position (epoch {loader.epoch}, batch {loader.step}) does not match "
-                         f"step {state.step} (epoch {epoch}, batch {window * args.grad_accum})")
-    log(f"resumed from {path} (step {state.step})")
-    return state.step, state.extra, str(path)
 
 
 def heldout_prompts(args, template: str, tok):
@@ -412,13 +307,14 @@ def heldout_prompts(args, template: str, tok):
     return prompts, refs, questions
 
 
-def held_out_report(model, tok, eval_loader, prompts, refs, args, opt, *, rank: int, losses: dict | None = None) -> dict:
+def held_out_report(model, tok, eval_loader, prompts, refs, args, opt, *, rank: int, losses: dict | None = None,
+                    loss_fn=None) -> dict:
     """Held-out loss/perplexity (``losses`` when just measured) and, on rank 0, exact match.
 
     ``evaluate`` is collective under torch.distributed: every rank calls this."""
     rep = dict(losses or {})
     if eval_loader is not None and not rep:
-        rep.update(evaluate(model, eval_loader, autocast=opt.autocast).to_dict())
+        rep.update(evaluate(model, eval_loader, autocast=opt.autocast, loss_fn=loss_fn).to_dict())
     if prompts and rank == 0:
         em = exact_match(model, tok, prompts, refs, max_new_tokens=args.eval_max_new_tokens)
         rep.update(exact_match=em.accuracy, exact_match_correct=em.correct, exact_match_total=em.total,
@@ -457,11 +353,12 @@ def print_table(before: dict, after: dict, questions, refs, *, wall_s: float, tr
     if before.get("predictions"):
         log(f"  (before training, the first answer was {short(before['predictions'][0])})")
 
-
 def main(argv=None):
     t_start = time.perf_counter()
     args = parse_args(argv)
-    rank, world, device = setup_distributed()
+    env = init_distributed()  # one process without torchrun; under torchrun: this rank's device, gloo/nccl
+    rank, world, device = env.rank, env.world_size, env.device
+    check_engine(args, world)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
@@ -473,57 +370,104 @@ def main(argv=None):
         torch.set_num_threads(threads)
     if args.demo:
         prepare_demo(args, out, rank, world)
-    seed_everything(args.seed + rank)
+    # The same seed on every rank: every rank draws the same adapter initialisation (DDP and
+    # shard_model also start from rank 0's weights); dropout differs per rank after the reseed below.
+    seed_everything(args.seed)
 
-    # 1. base model + tokenizer + adapters.
+    # 1. base model + tokenizer + adapters; the loss module, wrapped for several ranks.
     model, tok = load_model(args, device, precision)
     log(f"trainable parameters: {count_params(model)}")
     augment_step = setup_augmentation(args, tok, model, device, rank, log)  # None without the flags
+    flops = FlopsModel.from_model(model)  # before sharding: the full parameter shapes
+    train_model = CausalLMLoss(model)  # batch -> (summed loss, target tokens); what DDP / FSDP2 wrap
+    if args.engine == "ddp":
+        train_model = wrap_ddp(train_model, compression=args.compression)
+    elif args.engine == "fsdp":
+        mesh = device_mesh(shard=args.shard_size) if args.shard_size else None
+        train_model = shard_model(train_model, mesh=mesh, mixed_precision="bf16" if precision == "bf16" else None,
+                                  reshard_after_forward=not args.no_reshard_after_forward, cpu_offload=args.cpu_offload)
+    if world > 1:
+        seed_everything(args.seed + rank)
+    log(f"{args.engine} on {world} rank(s)" + (f", HSDP shard groups of {args.shard_size}" if args.shard_size else ""))
 
-    # 2. data.
+    # 2. data: each rank its slice of every step.
     loader, eval_loader, fcfg, data_fp = build_data(args, tok, out, rank, world, device)
     pad_id = loader.opts["pad_id"]
     log(f"data: {len(loader.docs)} documents, {len(loader)} micro-batches/epoch/rank, packing {loader.pack_stats}"
         + (f"; held out: {len(eval_loader.docs)} documents" if eval_loader is not None else ""))
 
-    # 3. optimizer, clipper, schedule; checkpoints; resume.
-    steps_per_epoch, total = plan_steps(args, len(loader))
+    # 3. optimizer (token-weighted accumulation), clipper, schedule; checkpoints; resume.
+    try:
+        plan = plan_steps(len(loader), grad_accum=args.grad_accum, epochs=args.epochs, max_steps=args.max_steps)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    total = plan.total
     save_every = args.save_every if args.save_every is not None else max(1, total // 10)
     eval_every = args.eval_every if args.eval_every is not None else save_every
-    opt, clipper, sched = build_optimizer(args, model, total, precision)
-    train_model = CausalLMLoss(model)
-    if world > 1:
-        train_model = torch.nn.parallel.DistributedDataParallel(
-            train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    step, extra, resumed_from = resume(args, out / "checkpoints", model=model, opt=opt, sched=sched, clipper=clipper,
-                                       loader=loader, steps_per_epoch=steps_per_epoch, world=world, rank=rank, log=log)
+    groups = param_groups(model, lr=args.lr, weight_decay=args.weight_decay, lora_plus_ratio=args.lora_plus)
+    opt = TrainOptimizer(make_adamw(groups, lr=args.lr, weight_decay=args.weight_decay), precision=precision)
+    clipper = GlobalNormClipper(args.clip)
+    warmup = resolve_warmup(total, warmup_ratio=args.warmup_ratio)
+    if args.schedule == "plateau":
+        schedule = PlateauCosine(total=total, warmup=warmup, min_lr_ratio=0.1)
+    else:
+        schedule = WarmupDecay(total=total, warmup=warmup, decay=args.schedule, min_lr_ratio=0.1)
+    sched = LRScheduler(opt.optimizer, schedule)
+    sharded = args.engine == "fsdp"
+    settings = run_settings(vars(args), SETTINGS, out=out) | {
+        "precision": precision, "data_fingerprint": data_fp, "checkpoint_layout": "sharded" if sharded else "one-process"}
+    try:  # weights, optimizer, schedule, clipper, loader position, RNG; settings compared with the saved run's
+        resumed = resume_train_state(out / "checkpoints", resume=args.resume, settings=settings, overrides=args.override,
+                                     fixed=FIXED, plan=plan, seed=args.seed, sharded=sharded, log=log,
+                                     model=train_model if sharded else model, optimizer=opt, scheduler=sched,
+                                     clipper=clipper, loader=loader)
+    except ResumeError as e:
+        raise SystemExit(str(e)) from None
+    step = resumed.step
+    # evaluation: FSDP2 runs the forward through its wrapper (it gathers the weights in its hooks)
+    eval_model, eval_loss = (train_model, lambda m, batch: m(batch)) if sharded else (model, None)
     prompts, refs, questions = heldout_prompts(args, fcfg.chat_template, tok)
     before_file = out / "eval_before.json"
     if step == 0 and (eval_loader is not None or prompts):  # the base model (a fresh adapter changes nothing)
-        before = held_out_report(model, tok, eval_loader, prompts, refs, args, opt, rank=rank)
+        before = held_out_report(eval_model, tok, eval_loader, prompts, refs, args, opt, rank=rank, loss_fn=eval_loss)
         if rank == 0:
             before_file.write_text(json.dumps(before) + "\n")
     ckpt = None
-    if rank == 0:  # DDP: the weights and optimizer state are the same on every rank; rank 0 saves them
-        ckpt = Checkpointer(out / "checkpoints", keep=args.keep, metric="eval_loss" if eval_loader else None)
-        write_manifest(out, args, device=device, world=world, data_fingerprint=data_fp, resumed_from=resumed_from)
-    tokens_seen, train_s = extra.get("tokens_seen", 0), extra.get("train_time_s", 0.0)
+    metric = "eval_loss" if eval_loader else None
+    if sharded:  # every rank writes its shards
+        ckpt = ShardedCheckpointer(out / "checkpoints", keep=args.keep, metric=metric)
+    elif rank == 0:  # DDP: the weights and optimizer state are the same on every rank; rank 0 saves them
+        ckpt = Checkpointer(out / "checkpoints", keep=args.keep, metric=metric)
+    if rank == 0:
+        write_run_manifest(out, vars(args), device=device, world_size=world, data_fingerprint=data_fp, resume=resumed)
+    tokens_seen, train_s = resumed.extra.get("tokens_seen", 0), resumed.extra.get("train_time_s", 0.0)
     logger = MetricsLogger(out / "metrics.jsonl", total_steps=total, start_step=step, rank=rank, world_size=world,
-                           device=device, flops=FlopsModel.from_model(model), print_every=args.log_every,
+                           device=device, flops=flops, print_every=args.log_every,
                            peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else device_peak_flops(device, precision),
                            tensorboard=out / "tb" if args.tensorboard else None)
 
-    # 4. the loop: one iteration = one optimizer step over grad_accum micro-batches.
+    # 4. the loop: one iteration = one optimizer step over grad_accum micro-batches (per rank).
     records, metrics = [], {}
     train_model.train()
     t_loop = time.perf_counter()
     while step < total:
-        epoch, window = divmod(step, steps_per_epoch)
+        epoch, window = divmod(step, plan.steps_per_epoch)
         loader.set_epoch(epoch)  # resumes mid-epoch when the loader state says so
         it = iter(loader)
-        for _ in range(window, steps_per_epoch):
-            tokens = accumulate(train_model, opt, it, args.grad_accum, device, world, pad_id, augment_step, step)
-            res = opt.step(clipper)                      # normalise by tokens, clip, step (or skip), zero grads
+        for _ in range(window, plan.steps_per_epoch):
+            tokens = TokenStats()
+            for micro in range(args.grad_accum):
+                batch = next(it)
+                tokens.add(batch, pad_id)  # token counts for the metrics, on the CPU copy
+                batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+                if augment_step is not None:  # fresh on every micro-batch, keyed by (seed + rank, micro index)
+                    batch = augment_step(batch, step * args.grad_accum + micro)
+                # several ranks: gradients are exchanged on the window's last micro-batch only
+                with opt.grad_sync(train_model, enabled=micro == args.grad_accum - 1) if world > 1 else nullcontext():
+                    with opt.autocast():
+                        loss_sum, n_tok = train_model(batch)
+                    opt.backward(loss_sum, n_tok)  # summed loss; divided by the window's tokens on all ranks
+            res = opt.step(clipper)  # normalise by tokens, clip, step (or skip: every rank together), zero grads
             sched.step(1, loss=res.loss)
             step += 1
             rec = logger.step(step, res, lr=sched.get_last_lr()[0], tokens=tokens, skipped_steps=opt.skipped_steps,
@@ -532,16 +476,19 @@ def main(argv=None):
             tokens_seen += rec["tokens"]  # all ranks
             metrics = {}
             if eval_loader is not None and ((eval_every and step % eval_every == 0) or step == total):
-                metrics = evaluate(model, eval_loader, autocast=opt.autocast).to_dict()
+                metrics = evaluate(eval_model, eval_loader, autocast=opt.autocast, loss_fn=eval_loss).to_dict()
                 logger.eval(step, metrics)
             if ckpt is not None and ((save_every and step % save_every == 0) or step == total):
-                ckpt.save(step, model=model, optimizer=opt, scheduler=sched, clipper=clipper, loader=loader,
-                          metrics=metrics, base_model_name_or_path=args.model,
-                          extra={"tokens_seen": tokens_seen, "train_time_s": train_s + time.perf_counter() - t_loop})
+                ckpt.save(step, model=train_model if sharded else model, optimizer=opt, scheduler=sched,
+                          clipper=clipper, loader=loader, metrics=metrics, base_model_name_or_path=args.model,
+                          extra={**run_extra(settings, loader), "tokens_seen": tokens_seen,
+                                 "train_time_s": train_s + time.perf_counter() - t_loop})
             if step >= total:
                 break
     train_s += time.perf_counter() - t_loop
     logger.close()
+    if ckpt is not None:
+        ckpt.close()  # waits for the last background write
     if world > 1:
         torch.distributed.barrier()
 
@@ -549,12 +496,20 @@ def main(argv=None):
     # the held-out report; optionally a merged bf16 checkpoint for serving.
     after = None
     if eval_loader is not None or prompts:
-        after = held_out_report(model, tok, eval_loader, prompts, refs, args, opt, rank=rank, losses=metrics)
-    if rank == 0:
-        ckpt.close()  # waits for the last background write
+        after = held_out_report(eval_model, tok, eval_loader, prompts, refs, args, opt, rank=rank, losses=metrics,
+                                loss_fn=eval_loss)
+    if sharded:  # collective: every rank takes part in the gathers, rank 0 writes
+        adapter_dir = export_adapter(train_model, out / "adapter", base_model_name_or_path=args.model)
+        if args.save_merged:
+            export_merged(train_model, out / "merged", dtype=torch.bfloat16)
+            if rank == 0:
+                copy_tokenizer_files(args.model, out / "merged")
+    elif rank == 0:
         adapter_dir = save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
-        log(f"adapter saved to {adapter_dir}; checkpoints in {ckpt.root}"
-            + (f" (best by eval loss: {ckpt.best().name})" if ckpt.best() else ""))
+    if rank == 0:
+        best = ckpt.best() if ckpt is not None else None
+        log(f"adapter saved to {adapter_dir}; checkpoints in {out / 'checkpoints'}"
+            + (f" (best by eval loss: {best.name})" if best else ""))
         try:
             log(f"metrics: {out / 'metrics.jsonl'}, plot: {plot_metrics(out / 'metrics.jsonl', out / 'metrics.png')}")
         except ImportError as e:
@@ -562,18 +517,13 @@ def main(argv=None):
         if after is not None:
             before = json.loads(before_file.read_text()) if before_file.exists() else {}
             summary = {"before": before, "after": after, "steps": step, "tokens_seen": tokens_seen,
-                       "wall_time_s": time.perf_counter() - t_start, "train_time_s": train_s,
-                       "best_checkpoint": str(ckpt.best()) if ckpt.best() else None}
+                       "world_size": world, "engine": args.engine, "wall_time_s": time.perf_counter() - t_start,
+                       "train_time_s": train_s, "best_checkpoint": str(best) if best else None}
             (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             print_table(before, after, questions, refs, wall_s=time.perf_counter() - t_start, train_s=train_s,
                         tokens=tokens_seen, steps=step, log=log)
-        if args.save_merged:
-            merged = merge_and_unload(model, dtype=torch.bfloat16)
-            save_pretrained(merged, out / "merged")
-            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                src = Path(args.model) / name
-                if src.exists():
-                    (out / "merged" / name).write_bytes(src.read_bytes())
+        if args.save_merged and not sharded:
+            save_merged(model, out / "merged", tokenizer_from=args.model, dtype=torch.bfloat16)
             log(f"merged checkpoint saved to {out / 'merged'}")
     if world > 1:
         torch.distributed.destroy_process_group()

@@ -14,8 +14,10 @@ Read it top to bottom, copy it, change it. The recipe:
     6. save the adapter (PEFT, task SEQ_CLS) and a merged checkpoint that ``transformers`` loads as
        ``<Arch>ForSequenceClassification``
 
-Pairs are JSONL records ``{"messages": [prompt turns], "chosen": str, "rejected": str}`` (an
-optional numeric ``"margin"`` is used with ``--margin-field``). The scored files keep every field
+Pairs are records ``{"messages": [prompt turns], "chosen": str, "rejected": str}`` (an optional
+numeric ``"margin"`` is used with ``--margin-field``), read and checked by the preference-data
+pipeline (``ftlib.data.pairs``: the same fields and conventions as ``dpo.py``; a bad record is an
+error naming its file, line and field). The scored files keep every field
 and add ``"reward_chosen"`` and ``"reward_rejected"`` (floats): the input of the DPO margin filter.
 
     python examples/reward_model.py --model meta-llama/Llama-3.2-1B-Instruct --pairs data/prefs/train.jsonl \\
@@ -47,7 +49,8 @@ import torch
 
 from ftlib._atomic import atomic_write
 from ftlib.clip import GlobalNormClipper
-from ftlib.data import render_chat
+from ftlib.data import SkipReport, iter_records, render_chat
+from ftlib.data.pairs import PairConfig
 from ftlib.lora import (
     LoRAConfig,
     RankDecay,
@@ -69,6 +72,7 @@ from ftlib.models import (
 from ftlib.offload import offload_modules
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups, resolve_precision
 from ftlib.sched import CosineRestarts, LRScheduler, WarmupDecay, resolve_warmup
+from ftlib.train import copy_tokenizer_files
 
 DEMO = {"steps": 200, "lr": 1e-3, "batch_pairs": 8}
 
@@ -117,31 +121,21 @@ def parse_args(argv=None):
     return args
 
 
-def read_pairs(path: str, margin_field: str | None = None) -> list[dict]:
-    """JSONL preference pairs; a malformed record is an error naming the file, line and field."""
-    recs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: invalid JSON: {e.msg}") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
-            msgs = rec.get("messages")
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-                raise ValueError(f"{path}:{n}: field 'messages' must be a list of {{role, content}} turns")
-            for key in ("chosen", "rejected"):
-                if not isinstance(rec.get(key), str):
-                    raise ValueError(f"{path}:{n}: field {key!r} must be a string (the assistant's answer)")
-            if margin_field is not None and not isinstance(rec.get(margin_field), (int, float)):
-                raise ValueError(f"{path}:{n}: field {margin_field!r} must be a number (--margin-field)")
-            recs.append(rec)
-    if not recs:
+def read_pairs(path: str, tok, template: str, margin_field: str | None = None) -> list[tuple[dict, list, list]]:
+    """[(record, prompt + chosen turns, prompt + rejected turns)] of a pairs file, read by the preference
+    pipeline (``ftlib.data``: any source format, the pair conventions of ``ftlib.data.pairs``); a bad
+    record is an error naming the file, line and field."""
+    fmt = PairConfig(kind="chat", chat_template=template).formatter(tok.tokenizer)
+    report, out = SkipReport(strict=True), []
+    for rec, where in iter_records(path, report):
+        prompt, chosen, rejected = fmt.conversation(rec, where, report)  # strict: a bad record raises
+        if margin_field is not None and (isinstance(rec.get(margin_field), bool)
+                                         or not isinstance(rec.get(margin_field), (int, float))):
+            raise ValueError(f"{where}: field {margin_field!r} must be a number (--margin-field)")
+        out.append((rec, prompt + chosen, prompt + rejected))
+    if not out:
         raise ValueError(f"{path}: no pairs")
-    return recs
+    return out
 
 
 def demo_split(pool: list[dict], n_prompts: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -156,12 +150,11 @@ def demo_split(pool: list[dict], n_prompts: int, seed: int) -> tuple[list[dict],
     return [r for r, h in zip(chosen, held) if not h], [r for r, h in zip(chosen, held) if h]
 
 
-def tokenize_pairs(recs, tok, template, max_length):
-    """[(chosen ids, rejected ids)] and the indices of pairs skipped for length (never silently dropped)."""
+def tokenize_pairs(pairs, tok, template, max_length):
+    """[(chosen ids, rejected ids, index)] and the indices of pairs skipped for length (never silently dropped)."""
     out, skipped = [], []
-    for i, rec in enumerate(recs):
-        ids = [tok.encode(render_chat(rec["messages"] + [{"role": "assistant", "content": rec[k]}], template),
-                          add_special_tokens=False) for k in ("chosen", "rejected")]
+    for i, (_, chosen, rejected) in enumerate(pairs):
+        ids = [tok.encode(render_chat(turns, template), add_special_tokens=False) for turns in (chosen, rejected)]
         if max(map(len, ids)) > max_length:
             skipped.append(i)
             continue
@@ -218,9 +211,9 @@ def main(argv=None):
 
     # 3. data
     template = args.chat_template or tok.chat_template or "chatml"
-    train_recs = [r for f in args.pairs for r in read_pairs(f, args.margin_field)]
+    train_recs = [r for f in args.pairs for r in read_pairs(f, tok, template, args.margin_field)]
     train, skipped = tokenize_pairs(train_recs, tok, template, args.max_length)
-    evals = {f: read_pairs(f, args.margin_field) for f in args.eval_pairs}
+    evals = {f: read_pairs(f, tok, template, args.margin_field) for f in args.eval_pairs}
     eval_pairs = [p for f, recs in evals.items() for p in tokenize_pairs(recs, tok, template, args.max_length)[0]]
     print(f"data: {len(train)} training pairs ({len(skipped)} longer than {args.max_length} tokens skipped), "
           f"{len(eval_pairs)} held-out pairs")
@@ -267,7 +260,7 @@ def main(argv=None):
         batch = pack_documents([train[i][0] for i in idx] + [train[i][1] for i in idx], device)
         margin = None
         if args.margin_field is not None:
-            margin = torch.tensor([float(train_recs[train[i][2]][args.margin_field]) for i in idx], device=device)
+            margin = torch.tensor([float(train_recs[train[i][2]][0][args.margin_field]) for i in idx], device=device)
         with opt.autocast():
             r = model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"],
                       max_seqlen=batch["max_seqlen"])  # (2B,): chosen first, then rejected
@@ -292,8 +285,9 @@ def main(argv=None):
     to_score = args.score_pairs if args.score_pairs is not None else list(args.pairs) + list(args.eval_pairs)
     scored = {}
     for f in to_score:
-        recs = read_pairs(f, args.margin_field)
+        recs = read_pairs(f, tok, template, args.margin_field)
         pairs, skip = tokenize_pairs(recs, tok, template, args.max_length)
+        recs = [rec for rec, _, _ in recs]
         dst = out / "scored" / Path(f).name
         with opt.autocast():
             rewards = pair_scores(model, pairs)
@@ -306,10 +300,7 @@ def main(argv=None):
     save_adapter(model, out / "adapter", base_model_name_or_path=args.model, task_type="SEQ_CLS")
     merged = merge_and_unload(model, dtype=None)
     save_reward_model(merged, out / "reward_model", pad_token_id=tok.pad_token_id)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        src = Path(args.model) / name
-        if src.exists():
-            (out / "reward_model" / name).write_bytes(src.read_bytes())
+    copy_tokenizer_files(args.model, out / "reward_model")
     metrics = {"accuracy_before": acc_before, "accuracy_after": acc_after, "train_pairs": len(train),
                "ranks": ranks,
                "skipped_too_long": len(skipped), "eval_pairs": len(eval_pairs), "scored": scored, "log": logs}

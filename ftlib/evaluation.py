@@ -28,17 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .losses import chunked_cross_entropy, head_weight
+from .losses import causal_lm_loss
 
 __all__ = ["EvalResult", "ExactMatch", "causal_lm_loss", "evaluate", "exact_match"]
-
-BATCH_KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # the batch contract of ftlib.data.collate
-
-
-def causal_lm_loss(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed token loss, target tokens) of an ftlib causal LM on a batch, without [B, T, V] logits."""
-    hidden = model.model(batch["input_ids"], **{k: batch[k] for k in BATCH_KEYS if k in batch})
-    return chunked_cross_entropy(hidden, head_weight(model.lm_head), batch["labels"])
 
 
 @dataclass

@@ -31,6 +31,13 @@ plain cross-entropy with a fused gradient; 128 rows at V = 128k). Without a back
 ``torch.no_grad()``) no gradient is computed. Tokens without a label are dropped before any
 matmul. The same idea as Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024, "Liger
 Kernel: Efficient Triton Kernels for LLM Training"), which also computes the gradient in forward.
+
+The model's loss. ``causal_lm_loss(model, batch)`` runs an ftlib causal LM's decoder on a batch
+(the batch contract of ``ftlib.data``: ``input_ids``, ``labels`` and the packing / padding keys)
+and applies the chunked loss to its hidden states and LM head, so the [B, T, V] logits never
+exist. ``CausalLMLoss(model)`` is the same as a module, ``batch -> (loss_sum, num_tokens)``: the
+module a training loop wraps with DDP or FSDP2, since gradients are only synchronised for a
+forward that runs through the wrapper.
 """
 
 from __future__ import annotations
@@ -38,11 +45,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "auto_chunk_size", "cross_entropy_sum", "chunked_cross_entropy", "count_target_tokens",
-           "bradley_terry_loss",
-           "head_weight"]
+__all__ = ["BATCH_KEYS", "CausalLMLoss", "IGNORE_INDEX", "auto_chunk_size", "bradley_terry_loss",
+           "causal_lm_loss", "chunked_cross_entropy", "count_target_tokens", "cross_entropy_sum", "head_weight"]
 
 IGNORE_INDEX = -100
+BATCH_KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")  # the batch contract of ftlib.data.collate
 
 
 def _check_labels(labels: torch.Tensor, lead_shape: torch.Size, what: str) -> None:
@@ -211,3 +218,26 @@ def head_weight(lm_head: torch.nn.Module) -> torch.Tensor:
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("head_weight: the LM head has a bias, which the chunked losses do not add")
     return w
+
+
+def causal_lm_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed token loss, target tokens) of an ftlib causal LM on a batch, without [B, T, V] logits."""
+    hidden = model.model(batch["input_ids"], **{k: batch[k] for k in BATCH_KEYS if k in batch})
+    return chunked_cross_entropy(hidden, head_weight(model.lm_head), batch["labels"])
+
+
+class CausalLMLoss(torch.nn.Module):
+    """``batch -> (summed token loss, target-token count)`` of ``model``, without [B, T, V] logits.
+
+    The module a loop wraps for several ranks (``DistributedDataParallel``, ``wrap_ddp``,
+    ``shard_model``): gradients are averaged or reduced only for a forward that runs through the
+    wrapper. Divide the sum by the target tokens of the whole accumulation window (on all ranks),
+    as ``ftlib.optim.TrainOptimizer.backward`` does.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return causal_lm_loss(self.model, batch)

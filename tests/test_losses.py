@@ -238,3 +238,24 @@ def test_chunked_converts_the_head_weight_once_per_pass():
         loss.backward()
     assert CountWeightCopies.n <= 2  # the matmul copy and the final fp32 -> bf16 cast of grad_w
     assert head.grad is not None and hidden.grad is not None
+
+
+def test_causal_lm_loss_module_is_the_summed_shifted_cross_entropy_of_the_model():
+    from ftlib.evaluation import causal_lm_loss as from_evaluation
+    from ftlib.losses import CausalLMLoss, causal_lm_loss
+    from ftlib.models import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).double()
+    ids = torch.randint(0, 61, (2, 11))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    loss, n = CausalLMLoss(model)(batch)
+    want = F.cross_entropy(model(ids)[:, :-1].reshape(-1, 61), labels[:, 1:].reshape(-1), reduction="sum")
+    torch.testing.assert_close(loss, want)
+    assert int(n) == int((labels[:, 1:] != -100).sum())
+    assert from_evaluation is causal_lm_loss  # one function, re-exported where it was
+    loss.backward()
+    assert model.lm_head.weight.grad is not None  # gradients flow through the module (what DDP / FSDP2 wrap)

@@ -112,3 +112,99 @@ def test_sigkill_at_random_points_then_resume_is_bitwise_exact(assets, reference
     assert losses == ref_losses  # every step's loss, as logged across the four processes
     run = json.loads((out / "run.json").read_text())
     assert run["resumes"] and run["args"]["seed"] == 3
+
+
+# ---- resume with other settings or on another number of ranks (one rule, nothing mixed silently) ----------------
+
+
+def _finetune(argv):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import finetune_lora
+
+        return finetune_lora.main(argv)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+        sys.modules.pop("finetune_lora", None)
+
+
+def _small(assets: Path, out: Path, *extra: str) -> list[str]:
+    return [*_args(assets, out), "--num-workers", "0", "--lora-dropout", "0", "--epochs", "1", *extra]
+
+
+def test_resume_with_changed_settings_is_refused_naming_each_unless_overridden(assets, tmp_path):
+    from ftlib.sched import WarmupDecay, resolve_warmup
+
+    out = tmp_path / "run"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _finetune(_small(assets, out, "--max-steps", "2"))
+        changed = ["--lr", "1e-3", "--clip", "0.5", "--warmup-ratio", "0.2", "--max-steps", "4", "--qlora"]
+        with pytest.raises(SystemExit) as e:
+            _finetune(_small(assets, out, *changed, "--resume"))
+        msg = str(e.value)
+        for line in ("lr: 0.003 -> 0.001", "clip: 1.0 -> 0.5", "warmup_ratio: 0.03 -> 0.2", "max_steps: 2 -> 4",
+                     "qlora: False -> True", "--override clip,lr,max_steps,qlora,warmup_ratio"):
+            assert line in msg, msg
+        assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000002"]  # nothing trained
+        with pytest.raises(SystemExit, match="lora_r: 4 -> 8 \\(cannot be overridden"):
+            _finetune(_small(assets, out, "--lora-r", "8", "--override", "lora_r", "--resume"))
+        with pytest.raises(SystemExit, match="cannot override nonsense: not a setting"):
+            _finetune(_small(assets, out, "--override", "nonsense", "--resume"))
+
+        # overridden: the new values are taken entirely (base LR and schedule), and run.json says so
+        _, records = _finetune(_small(assets, out, "--lr", "1e-3", "--max-steps", "4", "--override", "lr,max_steps",
+                                      "--resume"))
+    finally:
+        torch.set_num_threads(n)
+    assert [r["step"] for r in records] == [3, 4]
+    want = WarmupDecay(total=4, warmup=resolve_warmup(4, warmup_ratio=0.03), decay="cosine", min_lr_ratio=0.1)
+    for r in records:
+        assert r["lr"] == pytest.approx(1e-3 * want(r["step"]), rel=1e-9), r
+    run = json.loads((out / "run.json").read_text())
+    assert run["args"]["lr"] == 1e-3 and run["args"]["max_steps"] == 4
+    assert [r["overrides"] for r in run["resumes"]] == [{"lr": [0.003, 0.001], "max_steps": [2, 4]}]
+    assert run["resumes"][0]["step"] == 2 and run["resumes"][0]["world_size"] == 1
+
+
+@pytest.mark.distributed
+def test_one_process_checkpoint_on_two_ranks_replans_exactly_or_is_refused(assets, tmp_path):
+    import shutil
+
+    import torch.distributed as dist
+    from _torchrun import torchrun
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("needs torch.distributed with gloo")
+    full = tmp_path / "full"  # one process, 2 rows x 2 micro-batches a step, uninterrupted
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _finetune(_small(assets, full, "--grad-accum", "2", "--max-steps", "6", "--keep", "10"))
+    finally:
+        torch.set_num_threads(n)
+    cut = tmp_path / "cut"  # the same run cut after step 2
+    shutil.copytree(full, cut)
+    assert (cut / "checkpoints" / "step-00000002").is_dir()
+    for p in (cut / "checkpoints").glob("step-*"):
+        if p.name != "step-00000002":
+            shutil.rmtree(p)
+    shutil.rmtree(cut / "adapter")
+    script = ROOT / "examples" / "finetune_lora.py"
+    # the same flags on 2 ranks double the global batch: refused, naming both world sizes (not "resumed", 0 steps)
+    with pytest.raises(AssertionError) as e:
+        torchrun(script, *_small(assets, cut, "--grad-accum", "2", "--max-steps", "6", "--resume"), timeout=300)
+    assert "saved on 1 rank(s)" in str(e.value) and "this run has 2 rank(s)" in str(e.value), str(e.value)[-3000:]
+    assert "--grad-accum 1" in str(e.value)
+    # the global batch kept (2 rows x 1 micro-batch x 2 ranks): the data position is re-planned exactly
+    text = torchrun(script, *_small(assets, cut, "--grad-accum", "1", "--max-steps", "6", "--resume"), timeout=300)
+    assert "resumed from" in text and "re-planned the data position from 1 rank(s) to 2" in text
+    steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line).get("kind") != "eval"]
+    assert steps[-4:] == [3, 4, 5, 6]
+    a = load_file(str(full / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:  # the same units in every step; only the summation order differs
+        torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4)

@@ -95,16 +95,25 @@ def test_decayed_adapter_loads_in_peft_with_equal_scores(run):
     torch.testing.assert_close(got, torch.tensor([r["reward_chosen"] for r in recs]), atol=1e-4, rtol=1e-4)
 
 
-def test_bad_pairs_file_names_the_line(tmp_path, monkeypatch):
+def test_bad_pairs_file_names_the_line(run, tmp_path, monkeypatch):
+    """Pairs are read by the preference pipeline (ftlib.data.pairs): a bad record names its file, line and field."""
+    from ftlib.data import DataError
+    from ftlib.models import load_tokenizer
+
     monkeypatch.syspath_prepend(str(EXAMPLES))
     import reward_model
 
+    out, _, _ = run
+    tok = load_tokenizer(out / "demo" / "base")
     f = tmp_path / "p.jsonl"
     f.write_text('{"messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}\n'
                  '{"messages": [{"role": "user", "content": "q"}], "chosen": "a"}\n')
-    with pytest.raises(ValueError, match=r"p.jsonl:2: field 'rejected' must be a string"):
-        reward_model.read_pairs(str(f))
-    f.write_text('{"messages": "hi", "chosen": "a", "rejected": "b"}\n')
-    with pytest.raises(ValueError, match=r"p.jsonl:1: field 'messages'"):
-        reward_model.read_pairs(str(f))
+    with pytest.raises(DataError, match=r"p.jsonl:2: .*field 'rejected'"):
+        reward_model.read_pairs(str(f), tok, tok.chat_template)
+    f.write_text('{"messages": [{"role": "user"}], "chosen": "a", "rejected": "b"}\n')
+    with pytest.raises(DataError, match=r"p.jsonl:1: .*field 'messages'"):
+        reward_model.read_pairs(str(f), tok, tok.chat_template)
+    f.write_text('{"messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b", "margin": "x"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:1: field 'margin' must be a number"):
+        reward_model.read_pairs(str(f), tok, tok.chat_template, margin_field="margin")
     sys.modules.pop("reward_model", None)

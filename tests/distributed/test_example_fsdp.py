@@ -1,6 +1,6 @@
-"""examples/finetune_fsdp.py under torchrun (2 CPU ranks, gloo), as a user runs it: the demo trains,
-writes sharded checkpoints and a PEFT adapter; a run cut after its first checkpoint and resumed ends
-with the same adapter, bit for bit; the DDP engine runs the same loop."""
+"""examples/finetune_lora.py --engine fsdp under torchrun (2 CPU ranks, gloo), as a user runs it: the demo
+trains, writes sharded checkpoints and a PEFT adapter; a run cut after its first checkpoint and resumed
+ends with the same adapter, bit for bit; the DDP engine runs the same loop."""
 
 import json
 import shutil
@@ -16,8 +16,8 @@ from _torchrun import torchrun  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "examples" / "finetune_fsdp.py"
-ARGS = ("--demo", "--max-steps", "6", "--save-every", "3", "--log-every", "2", "--num-proc", "1", "--num-workers", "0")
+SCRIPT = ROOT / "examples" / "finetune_lora.py"
+ARGS = ("--engine", "fsdp", "--demo", "--max-steps", "6", "--save-every", "3", "--log-every", "2", "--num-proc", "1", "--num-workers", "0")
 
 
 def launch(out: Path, *extra: str, timeout: float = 300.0) -> str:

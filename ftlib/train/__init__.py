@@ -1,0 +1,51 @@
+"""What every training script shares, below the script and above the pieces it drives.
+
+The loop stays in the script (``examples/finetune_lora.py``); these are the parts that are the
+same in every script and must not drift between copies:
+
+- ``plan``: ``plan_steps`` / ``StepPlan``, optimizer steps per epoch and in all from the loader;
+- ``resume``: ``resume_train_state``, the whole train state back from the newest good checkpoint
+  (one-process or sharded) with one rule for changed settings (refused, named ``old -> new``,
+  unless overridden) and exact re-planning of the data position on another world size;
+  ``run_extra`` records what it compares in every checkpoint;
+- ``manifest``: ``write_run_manifest``, ``run.json`` with every resume and its overrides;
+- ``export``: ``save_merged`` (adapters merged, HF layout, tokenizer files beside it) and
+  ``copy_tokenizer_files``;
+- ``seed``: ``seed_everything``.
+
+Layer: above ``checkpoint`` and ``distributed`` (a sharded resume imports the latter lazily),
+below ``examples/``; nothing else in ftlib imports it.
+"""
+
+from .export import TOKENIZER_FILES, copy_tokenizer_files, save_merged
+from .manifest import RUN_MANIFEST, git_commit, write_run_manifest
+from .plan import StepPlan, plan_steps
+from .resume import (
+    Resumed,
+    ResumeError,
+    compare_settings,
+    replan_loader_state,
+    resume_train_state,
+    run_extra,
+    run_settings,
+)
+from .seed import seed_everything
+
+__all__ = [
+    "RUN_MANIFEST",
+    "ResumeError",
+    "Resumed",
+    "StepPlan",
+    "TOKENIZER_FILES",
+    "compare_settings",
+    "copy_tokenizer_files",
+    "git_commit",
+    "plan_steps",
+    "replan_loader_state",
+    "resume_train_state",
+    "run_extra",
+    "run_settings",
+    "save_merged",
+    "seed_everything",
+    "write_run_manifest",
+]
