@@ -128,7 +128,8 @@ def main(argv=None) -> int:
                     limits=ReadLimits(a.max_record_bytes, a.max_file_bytes))
     print(f"cache {a.out}: {len(c)} documents, {c.n_tokens} tokens ({c.dtype.name}), "
           f"{c.n_built} of {len(c.manifest['shards'])} shards tokenized, {c.n_truncated} truncated "
-          f"({c.stats.get('n_truncated_tokens', 0)} tokens cut, truncation={a.truncation})")
+          f"({c.stats.get('n_truncated_tokens', 0)} tokens cut, truncation={a.truncation}; "
+          f"{c.stats.get('n_cut_before_tokenizing', 0)} over-long texts cut before tokenizing)")
     print(c.report)
     return 0
 
