@@ -355,7 +355,8 @@ class Formatter:
             if not text.strip():
                 report.add("empty_document", where, f"field {c.text_field!r} is empty")
                 return None
-            ids = np.asarray(encode_bounded(self.tok, text, c, self.stats), dtype=np.int64)  # pretruncate.py
+            ids = np.asarray(encode_bounded(self.tok, text, c.max_length, "both" if c.truncation == "head_tail"
+                                            else "head", self.stats), dtype=np.int64)  # pretruncate.py
             if len(ids) == 0:
                 report.add("empty_document", where, "text encodes to no tokens")
                 return None

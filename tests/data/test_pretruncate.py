@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ftlib.data import FormatConfig, Formatter, SkipReport, pretruncate
+from ftlib.data.pairs import PairConfig, PairFormatter
 
 WORDS = ("hello world the quick brown fox jumps over lazy dog because of Rayleigh scattering "
          "système über naïve café 42 3.14 (x) -- ! ?").split()
@@ -66,3 +67,31 @@ def test_no_max_length_means_no_cut(tokenizer):
     doc, stats = _format(tokenizer, FormatConfig(kind="text", eos_token="</s>"), text)
     assert doc.input_ids.tolist() == tokenizer.encode(text, add_special_tokens=False).ids + [tokenizer.token_to_id("</s>")]
     assert "n_cut_before_tokenizing" not in stats
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), max_length=st.integers(2, 40), prompt_len=st.sampled_from([None, 1, 0.5]),
+       sizes=st.tuples(*[st.sampled_from([0.002, 0.5, 1.5, 3.0])] * 3), add_bos=st.booleans())
+def test_pair_text_cut_gives_the_tokens_of_the_whole_text(tokenizer, seed, max_length, prompt_len, sizes, add_bos):
+    """The pair formatter (kind='text') tokenizes only the prompt's tail and each response's head."""
+    fp = None if prompt_len is None else max(1, min(max_length - 1, int(prompt_len * max_length)))
+    cfg = PairConfig(kind="text", eos_token="</s>", bos_token="<s>", add_bos=add_bos, max_length=max_length,
+                     max_prompt_length=fp)
+    bound = (max_length + 64) * pretruncate.CHARS_PER_TOKEN
+    rec = {f: _text(seed + k, max(8, int(bound * size))) for k, (f, size) in
+           enumerate(zip(("prompt", "chosen", "rejected"), sizes))}
+
+    def run():
+        fmt = PairFormatter(tokenizer, cfg)
+        rep = SkipReport(strict=False)
+        return fmt(rec, "p.jsonl:1", rep), rep, fmt.stats
+
+    doc, rep, stats = run()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(pretruncate, "CHARS_PER_TOKEN", 10**9)
+        ref, ref_rep, ref_stats = run()
+    assert (doc is None) == (ref is None) and rep.to_dict() == ref_rep.to_dict()
+    if doc is not None:
+        assert doc.input_ids.tolist() == ref.input_ids.tolist() and doc.loss_mask.tolist() == ref.loss_mask.tolist()
+        assert doc.extra == ref.extra and doc.truncated == ref.truncated
+    assert stats.get("n_cut_before_tokenizing", 0) == sum(len(v) > bound for v in rec.values())
