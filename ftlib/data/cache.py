@@ -76,7 +76,7 @@ import pyarrow as pa
 from .._atomic import atomic_write
 from .formatting import FormatConfig
 from .report import DataError, SkipReport
-from .sources import ReadLimits, Shard, decode_item, iter_raw, list_shards, shard_fingerprint
+from .sources import ReadLimits, Shard, decode_item, item_nbytes, iter_raw, list_shards, shard_fingerprint
 
 __all__ = ["CacheError", "TokenCache", "build_cache", "open_cache"]
 
@@ -95,17 +95,6 @@ def _sha256_file(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _approx_nbytes(obj) -> int:
-    """Size of a raw item's payload: bytes as is, a decoded record by its strings (chunking only)."""
-    if isinstance(obj, (bytes, str)):
-        return len(obj)
-    if isinstance(obj, dict):
-        return sum(_approx_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_approx_nbytes(v) for v in obj)
-    return 8
 
 
 # ---- worker side ------------------------------------------------------------------------------
@@ -358,7 +347,7 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
             items, nbytes = [], 0
             for item in iter_raw(sh, b.report, limits):  # the reader's skips go to the shard's one report
                 items.append(item)
-                nbytes += _approx_nbytes(item[0])  # Parquet rows arrive as dicts: measure them too
+                nbytes += item_nbytes(item[0])  # Parquet rows arrive as dicts: measure them too
                 if nbytes >= _CHUNK_BYTES or len(items) >= _CHUNK_ITEMS:
                     yield i, items, nbytes, False
                     items, nbytes = [], 0

@@ -46,8 +46,9 @@ Empty files. A data file (or tar member read as a file, or a tar shard) that hol
 (counted per file; it lost no records); in strict mode it raises like any other problem.
 
 Bounds (:class:`ReadLimits`). No record is read into memory whole past a bound:
-``max_record_bytes`` (default 16 MiB) for one JSON Lines line, one ``.txt`` document and one
-webdataset member, after decompression; ``max_file_bytes`` (default 1 GiB) for what must be
+``max_record_bytes`` (default 16 MiB) for one JSON Lines line, one ``.txt`` document, one
+webdataset member (after decompression) and one Parquet row (its strings; a row group is read
+whole by pyarrow, so the bound keeps the row from the tokenizer, not from memory); ``max_file_bytes`` (default 1 GiB) for what must be
 parsed whole (a ``.json`` document, a Parquet tar member). A record over its bound is reported
 as ``record_too_large`` (its bytes are read past and dropped, never held), a document over its
 bound as ``file_too_large``; raise the bound to keep them. A gzip bomb stops at the bound.
@@ -97,6 +98,7 @@ __all__ = [
     "Shard",
     "SkipReport",
     "decode_item",
+    "item_nbytes",
     "iter_raw",
     "iter_records",
     "list_shards",
@@ -480,7 +482,18 @@ def _iter_json(data: bytes, where: str, report: SkipReport) -> Iterator[RawItem]
         cut(pos, "the top-level array is not closed (file cut short?)")
 
 
-def _iter_parquet(source, where: str, report: SkipReport) -> Iterator[RawItem]:
+def item_nbytes(obj) -> int:
+    """Size of a raw item's payload: bytes as is, a decoded record by its strings (8 per other value)."""
+    if isinstance(obj, (bytes, str)):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(item_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(item_nbytes(v) for v in obj)
+    return 8
+
+
+def _iter_parquet(source, where: str, report: SkipReport, limits: ReadLimits) -> Iterator[RawItem]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(source)  # a corrupt footer raises here: the row count is unknown
@@ -491,6 +504,10 @@ def _iter_parquet(source, where: str, report: SkipReport) -> Iterator[RawItem]:
             for batch in pf.iter_batches(batch_size=4096, row_groups=[g]):
                 for rec in batch.to_pylist():
                     got += 1
+                    if item_nbytes(rec) > limits.max_record_bytes:  # kept from the tokenizer like a long line
+                        _too_large(report, f"{where}:row {start + got}", f"a row of {item_nbytes(rec)} bytes",
+                                   limits, record=True)
+                        continue
                     yield rec, f"{where}:row {start + got}", "record"
         except (OSError, pa.ArrowException) as e:  # the footer counts the rows: the loss is known
             report.add("unreadable_file", f"{where}:rows {start + got + 1}-{start + n_g} (row group {g})",
@@ -521,7 +538,7 @@ def _iter_file(f, name: str, where: str, kind: str, report: SkipReport,
 
 def _iter_file_items(f, name, where, kind, report, limits) -> Iterator[RawItem]:
     if kind == "parquet":
-        yield from _iter_parquet(f if isinstance(f, str) else pa.BufferReader(f.read()), where, report)
+        yield from _iter_parquet(f if isinstance(f, str) else pa.BufferReader(f.read()), where, report, limits)
         return
     if isinstance(f, str):
         f = open(f, "rb")  # closed by the with below

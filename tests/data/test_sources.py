@@ -300,7 +300,7 @@ def _bomb_tar(path, name, payload):
 
 
 @pytest.mark.parametrize("case", ["txt", "txt.gz", "json", "json.gz", "tar txt", "tar json", "tar parquet",
-                                  "tar jsonl", "wds txt.gz"])
+                                  "tar jsonl", "wds txt.gz", "parquet row"])
 def test_every_reader_is_bounded(tmp_path, case):
     """No reader holds more than ReadLimits allows: a record over max_record_bytes is refused
     (record_too_large, 1 record), a whole-parsed document over max_file_bytes too (file_too_large,
@@ -309,7 +309,10 @@ def test_every_reader_is_bounded(tmp_path, case):
     big = b"x" * 20000
     recs = json.dumps([{"text": "x" * 100}] * 100).encode()
     p = tmp_path / "f"
-    if case in ("txt", "txt.gz", "json", "json.gz"):
+    if case == "parquet row":  # pyarrow reads the row group; the row is kept from the tokenizer
+        p = tmp_path / "f.parquet"
+        pq.write_table(pa.table({"text": [big.decode(), "after"]}), p)
+    elif case in ("txt", "txt.gz", "json", "json.gz"):
         data = big if case.startswith("txt") else recs
         p = tmp_path / f"f.{case}"
         p.write_bytes(gzip.compress(data) if case.endswith(".gz") else data)
@@ -329,12 +332,12 @@ def test_every_reader_is_bounded(tmp_path, case):
                 _add_member(tf, "z/after.jsonl", b'{"text": "after"}\n')
         else:
             _bomb_tar(p, *member)
-    record = case in ("txt", "txt.gz", "tar txt", "tar jsonl", "wds txt.gz")
+    record = case in ("txt", "txt.gz", "tar txt", "tar jsonl", "wds txt.gz", "parquet row")
     reason = "record_too_large" if record else "file_too_large"
     bound = "max_record_bytes=4096" if record else "max_file_bytes=8192"
     rep = SkipReport(strict=False)
     got = [r.get("text") for r, _ in iter_records(str(p), rep, limits=lim)]
-    assert got == (["after"] if p.suffix == ".tar" else [])
+    assert got == (["after"] if p.suffix in (".tar", ".parquet") else [])
     assert (rep.counts, rep.unknown) == (({reason: 1}, {}) if record else ({reason: 0}, {reason: 1}))
     assert f"ReadLimits.{bound}" in rep.examples[reason][0]
     # without the limit, the same file is read whole
