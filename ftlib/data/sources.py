@@ -33,9 +33,10 @@ in a warning, hidden files and directories are not looked at.
 
 Links. Directory walks and ``**`` globs follow symbolic links but visit each real path once: a
 link to a directory already read, or to one that contains the directory being read (``self ->
-.``, ``up -> ..``: a loop), and a link to a file already listed are not followed, and one warning
-names each of them (nothing is lost: their content is read once, through its other path). A link
-whose target does not exist is an error naming both.
+.``, ``up -> ..``: a loop), and a link to a file listed under its own path are not followed, and
+one warning names each of them (nothing is lost: their content is read once, through its other
+path). Several links to one file that is not itself listed are all read (the hub cache links
+files with equal bytes to one blob). A link whose target does not exist is an error naming both.
 
 Encoding. Text is UTF-8. A UTF-8 byte order mark (BOM) at the start of a file or tar member
 (after gzip decompression) is removed, the same for every format; one anywhere else is content
@@ -47,9 +48,10 @@ Empty files. A data file (or tar member read as a file, or a tar shard) that hol
 
 Bounds (:class:`ReadLimits`). No record is read into memory whole past a bound:
 ``max_record_bytes`` (default 16 MiB) for one JSON Lines line, one ``.txt`` document, one
-webdataset member (after decompression) and one Parquet row (its strings; a row group is read
-whole by pyarrow, so the bound keeps the row from the tokenizer, not from memory); ``max_file_bytes`` (default 1 GiB) for what must be
-parsed whole (a ``.json`` document, a Parquet tar member). A record over its bound is reported
+webdataset member (after decompression) and one Parquet row (its strings; pyarrow reads a row
+group whole, so there the bound keeps the row from the tokenizer, not from memory);
+``max_file_bytes`` (default 1 GiB) for what must be parsed whole (a ``.json`` document, a
+Parquet tar member). A record over its bound is reported
 as ``record_too_large`` (its bytes are read past and dropped, never held), a document over its
 bound as ``file_too_large``; raise the bound to keep them. A gzip bomb stops at the bound.
 
@@ -292,20 +294,23 @@ def _glob(pattern: str, walks: list[_Walk]) -> list[str]:
 
 
 def _once(files: list[str], spec: str, walks: list[_Walk]) -> list[str]:
-    """``files`` with each real file once (the first listed path wins); one warning names every
-    link not followed; a dangling link is an error."""
-    seen: dict[str, str] = {}
+    """``files`` less the links to files that are listed under their own path; one warning names
+    every link not followed (with those of the walks); a dangling link is an error.
+
+    Links to one file from outside the listing (the Hugging Face hub cache links each file of a
+    snapshot to a content-addressed blob, so two files with the same bytes share a target) are
+    all kept: each is a file of the dataset.
+    """
+    own = {os.path.realpath(f) for f in files if not os.path.islink(f)}
     out, skipped = [], [s for w in walks for s in w.skipped]
     for f in files:
-        real = os.path.realpath(f)
         if os.path.islink(f) and not os.path.exists(f):
             raise DataError(f"{f}: symbolic link to {os.readlink(f)}, which does not exist")
-        if real in seen:
-            skipped.append(f"{f} -> {os.readlink(f) if os.path.islink(f) else real} (the file {seen[real]}, "
-                           "listed already)")
-            continue
-        seen[real] = f
-        out.append(f)
+        real = os.path.realpath(f)
+        if os.path.islink(f) and real in own:
+            skipped.append(f"{f} -> {os.readlink(f)} (the file {real}, listed already)")
+        else:
+            out.append(f)
     if skipped:
         shown = "; ".join(skipped[:5]) + ("; ..." if len(skipped) > 5 else "")
         warnings.warn(f"{spec}: {len(skipped)} link(s) not followed, each leads to data read once already "

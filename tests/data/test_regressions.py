@@ -315,6 +315,18 @@ def test_symlink_loops_in_a_directory_are_read_once(tmp_path, tokenizer, write_j
     assert "same.jsonl -> a.jsonl (the file" in msg
 
 
+def test_links_to_one_file_from_outside_the_listing_are_all_read(tmp_path, write_jsonl):
+    """The hub cache links each snapshot file to a content-addressed blob: two files with equal
+    bytes share one target and are still two files of the dataset."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    snap.mkdir()
+    write_jsonl(blobs / "0f3a", [{"text": "same bytes"}])
+    os.symlink(blobs / "0f3a", snap / "train-0.jsonl")
+    os.symlink(blobs / "0f3a", snap / "train-1.jsonl")
+    assert [r["text"] for r, _ in iter_records(str(snap))] == ["same bytes", "same bytes"]
+
+
 def test_recursive_glob_through_a_link_loop_is_read_once(tmp_path, write_jsonl):
     d = tmp_path / "data"
     (d / "sub").mkdir(parents=True)
