@@ -196,8 +196,7 @@ def _write(path: str, write, what: str) -> None:
         atomic_write(path, write)
     except (OSError, pa.ArrowException) as e:
         raise CacheError(f"{path}: could not write {what}: {type(e).__name__}: {e} (disk full or not writable? "
-                         f"free space under {os.path.dirname(os.path.dirname(path))} or build the cache "
-                         "elsewhere)") from e
+                         "free space on that disk or build the cache elsewhere)") from e
 
 
 def _write_shard(shards_dir: str, key: str, meta: dict, ids: np.ndarray, mask: np.ndarray,
