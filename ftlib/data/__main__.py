@@ -8,6 +8,12 @@
 tar member) with its location; the turn end that gets loss is read from the template
 (``--turn-end`` overrides it); ``--truncation head_tail --head-tail 0.5 --truncation-sep <sep>``
 keeps the head and tail of over-long documents or prompts.
+
+Sources are recognised by content: by default by size plus a SHA-256 of files up to 3 MiB and of
+~3 MiB of sampled blocks of larger ones, so a same-size in-place edit of a large file outside
+the samples is not noticed; ``--full-hash`` hashes every byte (one full read of the corpus per
+build). ``--max-record-bytes`` (16 MiB) and ``--max-file-bytes`` (1 GiB) bound what one record or
+one whole-parsed document may take when read; larger ones are refused and reported.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import sys
 
 from .cache import build_cache, open_cache
 from .formatting import TRUNCATIONS, FormatConfig
+from .sources import ReadLimits
 
 
 def _token(s):
@@ -79,7 +86,16 @@ def main(argv=None) -> int:
     b.add_argument("--truncation-sep", default=None, help="head_tail truncation: separator token (text or id)")
     b.add_argument("--num-proc", type=int, default=os.cpu_count() or 1)
     b.add_argument("--lenient", action="store_true", help="skip and report bad records instead of failing")
-    b.add_argument("--full-hash", action="store_true", help="fingerprint sources by a full SHA-256")
+    b.add_argument("--full-hash", action="store_true",
+                   help="recognise sources by a SHA-256 of every byte (default: size + SHA-256 of files up to "
+                        "3 MiB and of ~3 MiB of sampled blocks of larger ones, which misses a same-size edit "
+                        "outside the samples)")
+    b.add_argument("--max-record-bytes", type=int, default=ReadLimits.max_record_bytes,
+                   help="most bytes one record (a JSONL line, a .txt document) may take when read; larger "
+                        "ones are refused and reported (default: %(default)s)")
+    b.add_argument("--max-file-bytes", type=int, default=ReadLimits.max_file_bytes,
+                   help="most bytes of a document parsed whole (.json, a Parquet tar member) "
+                        "(default: %(default)s)")
     b.add_argument("--no-progress", action="store_true")
     i = sub.add_parser("info", help="verify a cache and print its summary")
     i.add_argument("cache")
@@ -89,6 +105,7 @@ def main(argv=None) -> int:
     if a.cmd == "info":
         c = open_cache(a.cache, verify=a.verify)
         print(json.dumps({"n_docs": len(c), "n_tokens": c.n_tokens, "dtype": c.dtype.name,
+                          "source_fingerprint": c.manifest.get("fingerprint_mode"),
                           "shards": len(c.manifest["shards"]), "n_truncated": c.n_truncated,
                           "stats": dict(c.stats), "skipped": c.report.to_dict()}, indent=1))
         return 0
@@ -107,10 +124,12 @@ def main(argv=None) -> int:
         turn_end=a.turn_end, head_tail=_head_tail(a.head_tail), truncation_sep=_token(a.truncation_sep),
     )
     c = build_cache(a.source, tok, cfg, a.out, num_proc=a.num_proc, strict=not a.lenient,
-                    progress=not a.no_progress, full_hash=a.full_hash)
+                    progress=not a.no_progress, full_hash=a.full_hash,
+                    limits=ReadLimits(a.max_record_bytes, a.max_file_bytes))
     print(f"cache {a.out}: {len(c)} documents, {c.n_tokens} tokens ({c.dtype.name}), "
           f"{c.n_built} of {len(c.manifest['shards'])} shards tokenized, {c.n_truncated} truncated "
-          f"({c.stats.get('n_truncated_tokens', 0)} tokens cut, truncation={a.truncation})")
+          f"({c.stats.get('n_truncated_tokens', 0)} tokens cut, truncation={a.truncation}; "
+          f"{c.stats.get('n_cut_before_tokenizing', 0)} over-long texts cut before tokenizing)")
     print(c.report)
     return 0
 

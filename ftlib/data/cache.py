@@ -9,8 +9,17 @@ Layout of a cache directory::
     shards/<key>.json             shard metadata: source, counts, skip report, stats, size, hashes
 
 One cache shard per source shard; ``key = sha256(source fingerprint, tokenizer JSON, format
-settings)``, so a second build with the same inputs is a hit, and adding source shards
-tokenizes only the new ones. Token ids are stored as uint16 when the vocabulary has at most
+settings, read limits when not the default)``, so a second build with the same inputs is a hit,
+and adding source shards tokenizes only the new ones.
+
+What the cache checks about a source (``full_hash``). Sources are recognised by content, never
+by name or modification time. By default (``full_hash=False``) the fingerprint is the file's
+size plus a SHA-256 of every byte for files up to 3 MiB, and of 18 sampled blocks (~3 MiB) for
+larger ones (``sources.shard_fingerprint``): an in-place edit of a larger file that keeps its
+size and touches no sampled block is *not* noticed, and the old tokens are reused.
+``full_hash=True`` (``python -m ftlib.data build --full-hash``) hashes every byte of every source
+at each build (one full read of the corpus) and notices any change. The manifest records which
+(``fingerprint_mode``: ``sampled-sha256`` | ``sha256``), and ``python -m ftlib.data info`` prints it. Token ids are stored as uint16 when the vocabulary has at most
 65536 entries, else uint32. The large_list offsets are the per-document offsets: document i of
 a shard is ``values[offsets[i]:offsets[i+1]]``, a NumPy view into the memory map.
 
@@ -32,7 +41,8 @@ is summed per shard into the metadata and over shards into ``cache.stats``.
 Crash safety and integrity. Each file is written to ``.<name>.tmp-<pid>``, fsynced and
 ``os.replace``d into place (``ftlib._atomic``); the metadata is written after its Arrow file
 and the manifest after all shards, so an interrupted build never leaves a cache that opens
-as valid. The metadata records the file's size, its full SHA-256 and the sampled fingerprint of
+as valid. A write that fails (a full disk) raises :class:`CacheError` naming the file and the source
+shard it was for. The metadata records the file's size, its full SHA-256 and the sampled fingerprint of
 ``sources.shard_fingerprint``; opening checks the size and the sampled hash
 (``verify="sample"``, ~3 MiB read per shard) or the full hash (``verify="full"``) and raises
 :class:`CacheError` naming the file on any mismatch, and naming the file and field when a
@@ -65,8 +75,8 @@ import pyarrow as pa
 
 from .._atomic import atomic_write
 from .formatting import FormatConfig
-from .report import SkipReport
-from .sources import Shard, decode_item, iter_raw, list_shards, shard_fingerprint
+from .report import DataError, SkipReport
+from .sources import ReadLimits, Shard, decode_item, item_nbytes, iter_raw, list_shards, shard_fingerprint
 
 __all__ = ["CacheError", "TokenCache", "build_cache", "open_cache"]
 
@@ -85,17 +95,6 @@ def _sha256_file(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _approx_nbytes(obj) -> int:
-    """Size of a raw item's payload: bytes as is, a decoded record by its strings (chunking only)."""
-    if isinstance(obj, (bytes, str)):
-        return len(obj)
-    if isinstance(obj, dict):
-        return sum(_approx_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_approx_nbytes(v) for v in obj)
-    return 8
 
 
 # ---- worker side ------------------------------------------------------------------------------
@@ -191,6 +190,15 @@ class _ShardBuild:
         return _write_shard(shards_dir, key, meta, ids, mask, lens, cols, dtype)
 
 
+def _write(path: str, write, what: str) -> None:
+    """``atomic_write(path, write)``; an OSError (a full disk) becomes a CacheError naming ``path``."""
+    try:
+        atomic_write(path, write)
+    except (OSError, pa.ArrowException) as e:
+        raise CacheError(f"{path}: could not write {what}: {type(e).__name__}: {e} (disk full or not writable? "
+                         "free space on that disk or build the cache elsewhere)") from e
+
+
 def _write_shard(shards_dir: str, key: str, meta: dict, ids: np.ndarray, mask: np.ndarray,
                  lengths: np.ndarray, columns: dict[str, np.ndarray], dtype: np.dtype) -> dict:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -209,10 +217,11 @@ def _write_shard(shards_dir: str, key: str, meta: dict, ids: np.ndarray, mask: n
             w.write_batch(batch)
         written.update(size=os.path.getsize(tmp), sha=_sha256_file(str(tmp)), sampled=shard_fingerprint(str(tmp)))
 
-    atomic_write(arrow_path, write)
+    _write(arrow_path, write, f"the cache shard of {meta['source']}")
     size, sha, sampled = written["size"], written["sha"], written["sampled"]
     meta = dict(meta, n_docs=int(len(lengths)), n_tokens=int(offsets[-1]), size=size, sha256=sha, sampled=sampled)
-    atomic_write(os.path.join(shards_dir, key + ".json"), lambda tmp: tmp.write_bytes(json.dumps(meta, indent=1).encode()))
+    _write(os.path.join(shards_dir, key + ".json"), lambda tmp: tmp.write_bytes(json.dumps(meta, indent=1).encode()),
+           f"the shard metadata of {meta['source']}")
     return meta
 
 
@@ -277,7 +286,8 @@ def _reusable(shards_dir: str, key: str) -> dict | None:
 # ---- build ------------------------------------------------------------------------------------
 def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num_proc: int = 1,
                 strict: bool = True, progress: bool = True, full_hash: bool = False,
-                mp_context: str | None = None, verify: str = "sample") -> TokenCache:
+                mp_context: str | None = None, verify: str = "sample",
+                limits: ReadLimits | None = None) -> TokenCache:
     """Tokenize ``sources`` (see ``sources.list_shards``) into ``cache_dir`` and open it.
 
     Shards whose cache files already exist (same content, tokenizer, settings) are reused, except
@@ -286,6 +296,15 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
     in ``cache.report``. ``config``: a :class:`FormatConfig` or another config following the
     formatter hook of the module docstring. ``mp_context``: multiprocessing start method
     (default: ``fork`` on Linux, the platform default elsewhere).
+
+    ``full_hash``: what identifies a source. Default False: size + SHA-256 of the whole file up
+    to 3 MiB, of ~3 MiB of sampled blocks above that (a same-size edit outside the samples is not
+    noticed); True: SHA-256 of every byte (module docstring). ``limits``: the most bytes one
+    record may take when read (``sources.ReadLimits``, default 16 MiB per record, 1 GiB per
+    whole-parsed document); larger records are refused and reported.
+
+    A build that gives no document at all raises :class:`~ftlib.data.report.DataError` naming the
+    inputs (and what was skipped); no manifest is written then.
     """
     shards = list_shards(sources)
     tok_json = tokenizer.to_str()
@@ -300,9 +319,13 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
     os.makedirs(shards_dir, exist_ok=True)
 
     keys, metas, todo = [], {}, []
+    limits = limits if limits is not None else ReadLimits()
+    # the read limits decide which records are refused: part of the key, except the defaults (so
+    # caches built before the limits existed stay valid)
+    lim = "" if limits == ReadLimits() else f"|limits={limits.max_record_bytes},{limits.max_file_bytes}"
     for i, sh in enumerate(shards):
         fp = shard_fingerprint(sh.path, full_hash)
-        key = hashlib.sha256(f"{CACHE_VERSION}|{fp}|{tok_hash}|{fmt_class}|{fmt_fp}|{dtype}".encode()).hexdigest()[:32]
+        key = hashlib.sha256(f"{CACHE_VERSION}|{fp}|{tok_hash}|{fmt_class}|{fmt_fp}|{dtype}{lim}".encode()).hexdigest()[:32]
         keys.append(key)
         meta = _reusable(shards_dir, key)
         if meta is not None and strict:
@@ -321,9 +344,9 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
         for i, sh, fp in todo:
             b = builds[i] = _ShardBuild(sh, fp, SkipReport(strict=strict))
             items, nbytes = [], 0
-            for item in iter_raw(sh, b.report):  # the reader's skips go to the shard's one report
+            for item in iter_raw(sh, b.report, limits):  # the reader's skips go to the shard's one report
                 items.append(item)
-                nbytes += _approx_nbytes(item[0])  # Parquet rows arrive as dicts: measure them too
+                nbytes += item_nbytes(item[0])  # Parquet rows arrive as dicts: measure them too
                 if nbytes >= _CHUNK_BYTES or len(items) >= _CHUNK_ITEMS:
                     yield i, items, nbytes, False
                     items, nbytes = [], 0
@@ -369,7 +392,16 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
         "n_docs": int(sum(metas[i]["n_docs"] for i in range(len(shards)))),
         "n_tokens": int(sum(metas[i]["n_tokens"] for i in range(len(shards)))),
     }
-    atomic_write(os.path.join(cache_dir, "manifest.json"), lambda tmp: tmp.write_bytes(json.dumps(manifest, indent=1).encode()))
+    if manifest["n_docs"] == 0:
+        skipped = SkipReport(strict=False)
+        for i in range(len(shards)):
+            skipped.merge(metas[i]["skipped"])
+        names = ", ".join(sh.path for sh in shards[:5]) + (", ..." if len(shards) > 5 else "")
+        src = sources if isinstance(sources, (str, os.PathLike)) else ", ".join(map(str, sources))
+        raise DataError(f"{src}: the build gave 0 documents from {len(shards)} file(s) ({names}); no cache "
+                        f"written to {cache_dir}. {skipped}")
+    _write(os.path.join(cache_dir, "manifest.json"),
+           lambda tmp: tmp.write_bytes(json.dumps(manifest, indent=1).encode()), "the cache manifest")
     cache = TokenCache(cache_dir, verify=verify)
     cache.n_built = len(todo)
     return cache

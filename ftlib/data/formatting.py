@@ -77,6 +77,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .._jinja import compile_template
+from .pretruncate import encode_bounded
 from .report import SkipReport
 
 __all__ = ["FormatConfig", "FormattedDoc", "Formatter", "render_chat", "BUILTIN_TEMPLATES", "detect_turn_end"]
@@ -270,6 +271,9 @@ class Formatter:
                 if f not in rec:
                     report.add("missing_field", where, f"field {f!r} not in record")
                     return None
+                if not isinstance(rec[f], str):  # named here: below it would be "message j"
+                    report.add("bad_field", where, f"field {f!r} is {type(rec[f]).__name__}, not a string")
+                    return None
             if c.system_field:
                 msgs.append({"role": "system", "content": rec[c.system_field]})
             msgs += [{"role": "user", "content": rec[c.prompt_field]},
@@ -351,7 +355,8 @@ class Formatter:
             if not text.strip():
                 report.add("empty_document", where, f"field {c.text_field!r} is empty")
                 return None
-            ids = np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+            ids = np.asarray(encode_bounded(self.tok, text, c.max_length, "both" if c.truncation == "head_tail"
+                                            else "head", self.stats), dtype=np.int64)  # pretruncate.py
             if len(ids) == 0:
                 report.add("empty_document", where, "text encodes to no tokens")
                 return None

@@ -64,6 +64,7 @@ import numpy as np
 
 from .cache import CacheError, TokenCache, build_cache
 from .formatting import BUILTIN_TEMPLATES, FormatConfig, Formatter
+from .pretruncate import encode_bounded
 
 __all__ = ["PairConfig", "PairDoc", "PairFormatter", "PairCache", "build_pair_cache", "open_pair_cache",
            "LOSS_BIT", "CHOSEN_BIT", "REJECTED_BIT"]
@@ -276,13 +277,14 @@ class PairFormatter:
         if not rec[c.prompt_field].strip():
             report.add("empty_document", where, f"field {c.prompt_field!r} is empty")
             return None
-        enc = lambda s: np.asarray(self.tok.encode(s, add_special_tokens=False).ids, dtype=np.int64)
-        prompt = enc(rec[c.prompt_field])
+        # only the ends the truncation keeps are tokenized (pretruncate.py): the prompt's tail, each response's head
+        enc = lambda s, n, keep: np.asarray(encode_bounded(self.tok, s, n, keep, self.stats), dtype=np.int64)
+        prompt = enc(rec[c.prompt_field], c.max_length if c.max_length is not None else c.max_prompt_length, "tail")
         if c.add_bos:
             prompt = np.concatenate([[self.fmt.bos_id], prompt])
         sides = []
         for f in (c.chosen_field, c.rejected_field):
-            ids = enc(rec[f])
+            ids = enc(rec[f], c.max_length, "head")
             if not rec[f].strip() or len(ids) == 0:
                 report.add("empty_response", where, f"field {f!r} is empty")
                 return None

@@ -10,7 +10,9 @@ Counts are of *records*. ``n`` is how many records one skip lost: 1 for a bad re
 of records a refused tar member holds, the rows a corrupt Parquet file still owed (its footer
 says how many it has). Where it cannot be known — a gzip or tar stream cut short loses whatever
 followed the cut — ``n=None`` counts the event under ``unknown[reason]``, and the text says so;
-such a report is never mistaken for "no records skipped". Reports merge (per chunk -> per
+such a report is never mistaken for "no records skipped". ``n=0`` is a problem that cost no
+record (an empty data file): it is counted per occurrence under ``notes[reason]``, and a report
+holding only notes still does not read "no records skipped". Reports merge (per chunk -> per
 shard -> per cache) and serialise to JSON (:meth:`to_dict`), which is how the token cache keeps
 them with each shard.
 """
@@ -38,14 +40,18 @@ class SkipReport:
     keep: int = 5
     counts: dict[str, int] = field(default_factory=dict)
     unknown: dict[str, int] = field(default_factory=dict)  # reason -> events that lost an unknown number
+    notes: dict[str, int] = field(default_factory=dict)  # reason -> events that lost no record (empty files)
     examples: dict[str, list[str]] = field(default_factory=dict)
 
     def add(self, reason: str, location: str, detail: str = "", n: int | None = 1) -> None:
-        """Record one skip that lost ``n`` records (``None``: an unknown number)."""
+        """Record one skip that lost ``n`` records (``None``: an unknown number; 0: none, a note)."""
         msg = f"{location}: {reason}" + (f": {detail}" if detail else "")
         if self.strict:
             raise DataError(msg + " (use lenient mode to skip and count such records)")
-        self.counts[reason] = self.counts.get(reason, 0) + (n or 0)
+        if n == 0:
+            self.notes[reason] = self.notes.get(reason, 0) + 1
+        else:
+            self.counts[reason] = self.counts.get(reason, 0) + (n or 0)
         if n is None:
             self.unknown[reason] = self.unknown.get(reason, 0) + 1
         ex = self.examples.setdefault(reason, [])
@@ -61,8 +67,8 @@ class SkipReport:
     def n_unknown(self) -> int:
         return sum(self.unknown.values())
 
-    def __bool__(self) -> bool:  # anything skipped at all, counted or not
-        return bool(self.counts or self.unknown)
+    def __bool__(self) -> bool:  # anything skipped or noted at all, counted or not
+        return bool(self.counts or self.unknown or self.notes)
 
     def merge(self, other: SkipReport | dict) -> None:
         d = other.to_dict() if isinstance(other, SkipReport) else other
@@ -70,12 +76,14 @@ class SkipReport:
             self.counts[reason] = self.counts.get(reason, 0) + n
         for reason, n in d.get("unknown", {}).items():
             self.unknown[reason] = self.unknown.get(reason, 0) + n
+        for reason, n in d.get("notes", {}).items():
+            self.notes[reason] = self.notes.get(reason, 0) + n
         for reason, ex in d.get("examples", {}).items():
             mine = self.examples.setdefault(reason, [])
             mine.extend(ex[: max(0, self.keep - len(mine))])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"counts": dict(self.counts), "unknown": dict(self.unknown),
+        return {"counts": dict(self.counts), "unknown": dict(self.unknown), "notes": dict(self.notes),
                 "examples": {k: list(v) for k, v in self.examples.items()}}
 
     def __str__(self) -> str:
@@ -84,10 +92,16 @@ class SkipReport:
         head = f"{self.total} records skipped"
         if self.unknown:
             head += f", and an unknown number more in {self.n_unknown} place(s) that could not be read to the end"
+        if self.notes:
+            head += f"; {sum(self.notes.values())} problem(s) that lost no record"
         lines = [head + ":"]
         for reason in sorted(set(self.counts) | set(self.unknown)):
             n, u = self.counts.get(reason, 0), self.unknown.get(reason, 0)
             unknown = f"an unknown number ({u} place{'s' if u > 1 else ''})"
             lines.append(f"  {reason}: " + (f"{n} + {unknown}" if n and u else unknown if u else f"{n}"))
+            lines.extend(f"    {e}" for e in self.examples.get(reason, []))
+        for reason in sorted(self.notes):
+            k = self.notes[reason]
+            lines.append(f"  {reason}: {k} (no records lost)")
             lines.extend(f"    {e}" for e in self.examples.get(reason, []))
         return "\n".join(lines)

@@ -31,6 +31,30 @@ Formats (by file name; ``.gz`` after any of the first three means gzip)
 Directories hold data files of the types above; other files in them (README.md, ...) are listed
 in a warning, hidden files and directories are not looked at.
 
+Links. Directory walks and ``**`` globs follow symbolic links but visit each real path once: a
+link to a directory already read, or to one that contains the directory being read (``self ->
+.``, ``up -> ..``: a loop), and a link to a file listed under its own path are not followed, and
+one warning names each of them (nothing is lost: their content is read once, through its other
+path). Several links to one file that is not itself listed are all read (the hub cache links
+files with equal bytes to one blob). A link whose target does not exist is an error naming both.
+
+Encoding. Text is UTF-8. A UTF-8 byte order mark (BOM) at the start of a file or tar member
+(after gzip decompression) is removed, the same for every format; one anywhere else is content
+(in JSON, outside a string, it is malformed JSON).
+
+Empty files. A data file (or tar member read as a file, or a tar shard) that holds no record
+— zero bytes, only whitespace, ``[]``, zero Parquet rows — is reported as ``empty_file``
+(counted per file; it lost no records); in strict mode it raises like any other problem.
+
+Bounds (:class:`ReadLimits`). No record is read into memory whole past a bound:
+``max_record_bytes`` (default 16 MiB) for one JSON Lines line, one ``.txt`` document, one
+webdataset member (after decompression) and one Parquet row (its strings; pyarrow reads a row
+group whole, so there the bound keeps the row from the tokenizer, not from memory);
+``max_file_bytes`` (default 1 GiB) for what must be parsed whole (a ``.json`` document, a
+Parquet tar member). A record over its bound is reported
+as ``record_too_large`` (its bytes are read past and dropped, never held), a document over its
+bound as ``file_too_large``; raise the bound to keep them. A gzip bomb stops at the bound.
+
 Errors. Every problem (malformed JSON, invalid UTF-8, a refused tar member, a file that cannot
 be read to its end; missing fields and empty documents are found by the formatter) goes to a
 :class:`~ftlib.data.report.SkipReport`: in strict mode the first one raises
@@ -50,6 +74,7 @@ An edit that keeps the size and touches none of the sampled blocks is missed: pa
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import gzip
 import hashlib
@@ -71,12 +96,14 @@ from .report import DataError, SkipReport
 
 __all__ = [
     "DataError",
-    "SkipReport",
+    "ReadLimits",
     "Shard",
-    "list_shards",
-    "iter_raw",
+    "SkipReport",
     "decode_item",
+    "item_nbytes",
+    "iter_raw",
     "iter_records",
+    "list_shards",
     "parse_hub_spec",
     "resolve_hub_dataset",
     "shard_fingerprint",
@@ -93,6 +120,26 @@ _EXTS = {
 SUPPORTED_EXTS = tuple(e for exts in _EXTS.values() for e in exts)
 _MEMBER_KINDS = ("jsonl", "json", "text", "parquet")  # what a tar member may hold
 _UNREADABLE = (OSError, EOFError, zlib.error, tarfile.TarError, pa.ArrowException)
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """The most bytes read into memory for one record / one whole-parsed document (module docstring)."""
+
+    max_record_bytes: int = 16 << 20
+    max_file_bytes: int = 1 << 30
+
+    def __post_init__(self):
+        for name in ("max_record_bytes", "max_file_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ReadLimits.{name} must be a positive int (bytes), got {v!r}")
+
+
+_DEFAULT_LIMITS = ReadLimits()
 
 
 @dataclass(frozen=True)
@@ -167,6 +214,110 @@ def resolve_hub_dataset(repo_id: str, revision: str | None = None, cache_dir: st
 
 
 # ---- listing ------------------------------------------------------------------------------------
+class _Walk:
+    """Directories under one root, each real directory once; links not followed are collected."""
+
+    def __init__(self, root: str):
+        self.root, self.real_root = root, os.path.realpath(root)
+        self.seen: set[str] = set()
+        self.skipped: list[str] = []  # "link -> target (why)"
+
+    def _follow(self, path: str) -> bool:
+        real = os.path.realpath(path)
+        why = None
+        if real in self.seen:
+            why = "a directory read already"
+        elif os.path.islink(path) and self.real_root.startswith(real.rstrip(os.sep) + os.sep):
+            why = f"a directory that contains {self.root}: a loop"
+        if why is None:
+            self.seen.add(real)
+            return True
+        self.skipped.append(f"{os.path.relpath(path, self.root)} -> {os.readlink(path) if os.path.islink(path) else real} "
+                            f"({why})")
+        return False
+
+    def dirs(self, top: str | None = None) -> Iterator[str]:
+        """``top`` (default: the root) and every directory below it, depth first, names sorted."""
+        top = self.root if top is None else top
+        if not self._follow(top):
+            return
+        yield top
+        try:
+            names = sorted(os.listdir(top))
+        except OSError as e:
+            raise DataError(f"{top}: cannot list the directory ({e})") from None
+        for n in names:
+            p = os.path.join(top, n)
+            if not n.startswith(".") and os.path.isdir(p):
+                yield from self.dirs(p)
+
+
+def _files(d: str) -> list[str]:
+    """Non-hidden entries of ``d`` that are not directories (files and links to files), sorted."""
+    return sorted(os.path.join(d, n) for n in os.listdir(d)
+                  if not n.startswith(".") and not os.path.isdir(os.path.join(d, n)))
+
+
+def _glob(pattern: str, walks: list[_Walk]) -> list[str]:
+    """``glob.glob(pattern, recursive=True)`` whose ``**`` visits each real directory once."""
+    if "**" not in pattern:
+        return sorted(glob.glob(pattern))
+    parts = pattern.split(os.sep)
+    i = next(k for k, part in enumerate(parts) if glob.has_magic(part))
+    base = os.sep.join(parts[:i]) or (os.sep if pattern.startswith(os.sep) else os.curdir)
+    out: list[str] = []
+
+    def expand(path: str, rest: list[str]) -> None:
+        if not rest:
+            out.append(path)
+            return
+        seg, rest = rest[0], rest[1:]
+        if seg == "**":
+            w = _Walk(path)
+            walks.append(w)
+            for d in w.dirs():
+                expand(d, rest)
+                if not rest:
+                    out.extend(_files(d))
+        elif glob.has_magic(seg):
+            for n in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+                if fnmatch.fnmatchcase(n, seg) and (seg.startswith(".") or not n.startswith(".")):
+                    expand(os.path.join(path, n), rest)
+        elif os.path.lexists(os.path.join(path, seg)):
+            expand(os.path.join(path, seg), rest)
+
+    if os.path.isdir(base):
+        expand(base, parts[i:])
+    if base == os.curdir and not pattern.startswith(os.curdir):  # as glob does: no leading ./
+        out = [os.path.relpath(f) for f in out]
+    return sorted(dict.fromkeys(out))
+
+
+def _once(files: list[str], spec: str, walks: list[_Walk]) -> list[str]:
+    """``files`` less the links to files that are listed under their own path; one warning names
+    every link not followed (with those of the walks); a dangling link is an error.
+
+    Links to one file from outside the listing (the Hugging Face hub cache links each file of a
+    snapshot to a content-addressed blob, so two files with the same bytes share a target) are
+    all kept: each is a file of the dataset.
+    """
+    own = {os.path.realpath(f) for f in files if not os.path.islink(f)}
+    out, skipped = [], [s for w in walks for s in w.skipped]
+    for f in files:
+        if os.path.islink(f) and not os.path.exists(f):
+            raise DataError(f"{f}: symbolic link to {os.readlink(f)}, which does not exist")
+        real = os.path.realpath(f)
+        if os.path.islink(f) and real in own:
+            skipped.append(f"{f} -> {os.readlink(f)} (the file {real}, listed already)")
+        else:
+            out.append(f)
+    if skipped:
+        shown = "; ".join(skipped[:5]) + ("; ..." if len(skipped) > 5 else "")
+        warnings.warn(f"{spec}: {len(skipped)} link(s) not followed, each leads to data read once already "
+                      f"through another path: {shown}", stacklevel=3)
+    return out
+
+
 def list_shards(spec: str | os.PathLike | list, hub_cache_dir: str | None = None) -> list[Shard]:
     """Expand a source spec into shards, in a stable sorted order.
 
@@ -174,7 +325,7 @@ def list_shards(spec: str | os.PathLike | list, hub_cache_dir: str | None = None
     ``hf://datasets/owner/name[@revision][/path]`` (see :func:`parse_hub_spec`), or a list of
     these. Without a path the whole repo is read, every split together; a path (file, directory
     or glob inside the repo, e.g. ``data/train-*.parquet``) selects one, and only its files are
-    downloaded.
+    downloaded. Links are followed, each real path read once (see the module docstring).
     """
     if isinstance(spec, (list, tuple)):
         out: list[Shard] = []
@@ -186,14 +337,14 @@ def list_shards(spec: str | os.PathLike | list, hub_cache_dir: str | None = None
         repo_id, rev, sub = parse_hub_spec(spec)
         local = resolve_hub_dataset(repo_id, rev, hub_cache_dir, sub)
         spec = os.path.join(local, sub) if sub else local
+    walks: list[_Walk] = []
     if os.path.isdir(spec):
+        walks.append(_Walk(spec))
         files, ignored = [], []
-        for root, dirs, names in os.walk(spec, followlinks=True):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            for n in names:
-                if not n.startswith("."):
-                    (files if _kind_of(n) else ignored).append(os.path.join(root, n))
-        files.sort()
+        for d in walks[0].dirs():
+            for f in _files(d):
+                (files if _kind_of(f) else ignored).append(f)
+        files = _once(sorted(files), spec, walks)
         if not files:
             raise DataError(f"{spec}: directory holds no supported files ({', '.join(SUPPORTED_EXTS)})")
         if ignored:
@@ -203,8 +354,10 @@ def list_shards(spec: str | os.PathLike | list, hub_cache_dir: str | None = None
                           f"(data files: {', '.join(SUPPORTED_EXTS)})", stacklevel=2)
     elif os.path.isfile(spec):
         files = [spec]
+    elif os.path.islink(spec):
+        raise DataError(f"{spec}: symbolic link to {os.readlink(spec)}, which does not exist")
     else:
-        files = sorted(glob.glob(spec, recursive=True))
+        files = _once(_glob(spec, walks), spec, walks)
         if not files:
             raise DataError(f"{spec}: no such file, directory or matching glob")
     shards = []
@@ -241,9 +394,41 @@ RawItem = tuple[Any, str, str]
 _WS = re.compile(r"[ \t\n\r]*")
 
 
-def _iter_lines(stream, where: str) -> Iterator[RawItem]:
-    for lineno, line in enumerate(stream, 1):
-        if line.strip():
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.4g} MiB"
+
+
+def _read_at_most(stream, limit: int) -> bytes | None:
+    """All of ``stream`` if it holds at most ``limit`` bytes, else None (reading stops at limit + 1)."""
+    data = stream.read(limit + 1)
+    return None if len(data) > limit else data
+
+
+def _too_large(report: SkipReport, where: str, what: str, limits: ReadLimits, record: bool) -> None:
+    field = "max_record_bytes" if record else "max_file_bytes"
+    bound = getattr(limits, field)
+    report.add("record_too_large" if record else "file_too_large", where,
+               f"{what} is over ReadLimits.{field}={bound} ({_mib(bound)}); not read. Raise the bound "
+               f"(--{field.replace('_', '-')}) to keep it", n=1 if record else None)
+
+
+def _iter_lines(stream, where: str, report: SkipReport, limits: ReadLimits) -> Iterator[RawItem]:
+    """Non-blank lines; a line over ``max_record_bytes`` is read past in 1 MiB steps, never held."""
+    limit, lineno = limits.max_record_bytes, 0
+    while True:
+        line = stream.readline(limit + 1)
+        if not line:
+            return
+        lineno += 1
+        if lineno == 1 and line.startswith(_BOM):
+            line = line[len(_BOM):]
+        if len(line) > limit and not line.endswith(b"\n"):
+            n = len(line)
+            while line and not line.endswith(b"\n"):
+                line = stream.readline(1 << 20)
+                n += len(line)
+            _too_large(report, f"{where}:{lineno}", f"a line of {n} bytes", limits, record=True)
+        elif line.strip():
             yield line, f"{where}:{lineno}", "line"
 
 
@@ -302,7 +487,18 @@ def _iter_json(data: bytes, where: str, report: SkipReport) -> Iterator[RawItem]
         cut(pos, "the top-level array is not closed (file cut short?)")
 
 
-def _iter_parquet(source, where: str, report: SkipReport) -> Iterator[RawItem]:
+def item_nbytes(obj) -> int:
+    """Size of a raw item's payload: bytes as is, a decoded record by its strings (8 per other value)."""
+    if isinstance(obj, (bytes, str)):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(item_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(item_nbytes(v) for v in obj)
+    return 8
+
+
+def _iter_parquet(source, where: str, report: SkipReport, limits: ReadLimits) -> Iterator[RawItem]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(source)  # a corrupt footer raises here: the row count is unknown
@@ -313,6 +509,10 @@ def _iter_parquet(source, where: str, report: SkipReport) -> Iterator[RawItem]:
             for batch in pf.iter_batches(batch_size=4096, row_groups=[g]):
                 for rec in batch.to_pylist():
                     got += 1
+                    if item_nbytes(rec) > limits.max_record_bytes:  # kept from the tokenizer like a long line
+                        _too_large(report, f"{where}:row {start + got}", f"a row of {item_nbytes(rec)} bytes",
+                                   limits, record=True)
+                        continue
                     yield rec, f"{where}:row {start + got}", "record"
         except (OSError, pa.ArrowException) as e:  # the footer counts the rows: the loss is known
             report.add("unreadable_file", f"{where}:rows {start + got + 1}-{start + n_g} (row group {g})",
@@ -320,21 +520,49 @@ def _iter_parquet(source, where: str, report: SkipReport) -> Iterator[RawItem]:
         start += n_g
 
 
-def _iter_file(f, name: str, where: str, kind: str, report: SkipReport) -> Iterator[RawItem]:
-    """Items of one data file (on disk or a tar member) given as a binary file object."""
+def _marks(report: SkipReport) -> tuple:
+    """What ``report`` has counted so far (to tell whether a reader reported anything)."""
+    return report.total, report.n_unknown, sum(report.notes.values())
+
+
+def _nonempty(items: Iterator[RawItem], where: str, report: SkipReport) -> Iterator[RawItem]:
+    """``items``, and ``empty_file`` reported for ``where`` if there were none and nothing else was reported."""
+    before, n = _marks(report), 0
+    for item in items:
+        n += 1
+        yield item
+    if n == 0 and _marks(report) == before:
+        report.add("empty_file", where, "it holds no records (empty, only whitespace, [] or 0 rows)", n=0)
+
+
+def _iter_file(f, name: str, where: str, kind: str, report: SkipReport,
+               limits: ReadLimits = _DEFAULT_LIMITS) -> Iterator[RawItem]:
+    """Items of one data file (on disk or a tar member) given as a path or a binary file object."""
+    yield from _nonempty(_iter_file_items(f, name, where, kind, report, limits), where, report)
+
+
+def _iter_file_items(f, name, where, kind, report, limits) -> Iterator[RawItem]:
     if kind == "parquet":
-        yield from _iter_parquet(f if isinstance(f, str) else pa.BufferReader(f.read()), where, report)
+        yield from _iter_parquet(f if isinstance(f, str) else pa.BufferReader(f.read()), where, report, limits)
         return
     if isinstance(f, str):
         f = open(f, "rb")  # closed by the with below
     with f:
         stream = gzip.GzipFile(fileobj=f) if name.lower().endswith(".gz") else f
         if kind == "jsonl":
-            yield from _iter_lines(stream, where)
+            yield from _iter_lines(stream, where, report, limits)
         elif kind == "json":
-            yield from _iter_json(stream.read(), where, report)
+            data = _read_at_most(stream, limits.max_file_bytes)
+            if data is None:
+                _too_large(report, where, "the JSON document", limits, record=False)
+                return
+            yield from _iter_json(data, where, report)  # utf-8-sig: a leading BOM is dropped there
         elif kind == "text":
-            yield stream.read(), f"{where}:1", "text"
+            data = _read_at_most(stream, limits.max_record_bytes)
+            if data is None:
+                _too_large(report, f"{where}:1", "the text document", limits, record=True)
+            elif data.strip():  # a whitespace-only document is an empty file (reported by _nonempty)
+                yield data[len(_BOM):] if data.startswith(_BOM) else data, f"{where}:1", "text"
         else:
             raise DataError(f"{where}: unknown data kind {kind!r}")
 
@@ -351,10 +579,10 @@ def _wds_key(name: str) -> tuple[str, str]:
     return (f"{d}/{stem}" if d else stem), ext
 
 
-def _count_records(data: bytes, name: str, kind: str) -> int | None:
+def _count_records(data: bytes, name: str, kind: str, limits: ReadLimits) -> int | None:
     """How many records a refused member holds (read from memory, never used); None if unreadable."""
     try:
-        return sum(1 for _ in _iter_file(io.BytesIO(data), name, name, kind, SkipReport(strict=False)))
+        return sum(1 for _ in _iter_file(io.BytesIO(data), name, name, kind, SkipReport(strict=False), limits))
     except Exception:
         return None
 
@@ -362,14 +590,15 @@ def _count_records(data: bytes, name: str, kind: str) -> int | None:
 class _Sample:
     """The members of one webdataset sample, buffered until its key changes."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, limits: ReadLimits):
         self.path, self.key, self.members = path, None, []  # members: (name, ext, kind, bytes)
+        self.limits = limits
 
     def flush(self, report: SkipReport) -> Iterator[RawItem]:
         members, self.members, self.key = self.members, [], None
         if len(members) == 1:  # a lone member is a file of its own (a .json may hold an array)
             name, _, kind, data = members[0]
-            yield from _iter_file(io.BytesIO(data), name, f"{self.path}!{name}", kind, report)
+            yield from _iter_file(io.BytesIO(data), name, f"{self.path}!{name}", kind, report, self.limits)
         elif members:
             yield from self._merge(members, report)
 
@@ -379,7 +608,12 @@ class _Sample:
         rec: dict[str, Any] = {}
         for name, ext, kind, data in members:
             try:
-                text = (gzip.decompress(data) if name.lower().endswith(".gz") else data).decode("utf-8")
+                if name.lower().endswith(".gz"):  # bounded: a gzip bomb stops at the bound
+                    data = _read_at_most(gzip.GzipFile(fileobj=io.BytesIO(data)), self.limits.max_record_bytes)
+                    if data is None:
+                        _too_large(report, f"{where} ({name})", "the decompressed member", self.limits, record=True)
+                        return
+                text = data.decode("utf-8-sig")  # a leading BOM is dropped, as in every reader
             except UnicodeDecodeError as e:
                 report.add("invalid_utf8", f"{where} ({name})", f"byte {e.start}: {e.reason}")
                 return
@@ -407,8 +641,8 @@ class _Sample:
         yield rec, where, "record"
 
 
-def _iter_tar(path: str, report: SkipReport) -> Iterator[RawItem]:
-    sample = _Sample(path)
+def _iter_tar(path: str, report: SkipReport, limits: ReadLimits) -> Iterator[RawItem]:
+    sample = _Sample(path, limits)
     data_exts = ", ".join(e for k in _MEMBER_KINDS for e in _EXTS[k])
     with tarfile.open(path, mode="r|*") as tf:  # stream mode: members are read in order, never extracted
         for member in tf:
@@ -424,7 +658,8 @@ def _iter_tar(path: str, report: SkipReport) -> Iterator[RawItem]:
                 continue
             kind = _kind_of(name)
             if not _safe_member(name):
-                n = _count_records(tf.extractfile(member).read(), name, kind) if kind in _MEMBER_KINDS else None
+                n = (_count_records(tf.extractfile(member).read(), name, kind, limits)
+                     if kind in _MEMBER_KINDS and member.size <= limits.max_file_bytes else None)
                 report.add("unsafe_tar_member", where, "absolute path or '..' in member name; refused", n=n)
                 continue
             if kind not in _MEMBER_KINDS:
@@ -433,6 +668,12 @@ def _iter_tar(path: str, report: SkipReport) -> Iterator[RawItem]:
             key = _wds_key(name)[0]
             if sample.members and key != sample.key:
                 yield from sample.flush(report)
+            # what is read whole into memory: a .txt is one record, a .json (a lone one may hold an
+            # array) and a Parquet member are parsed whole; jsonl members are streamed line by line
+            record = kind == "text"
+            if kind != "jsonl" and member.size > (limits.max_record_bytes if record else limits.max_file_bytes):
+                _too_large(report, where, f"a member of {member.size} bytes", limits, record=record)
+                continue
             if kind in ("json", "text"):  # may be one field of a webdataset sample: buffer it
                 sample.key = key
                 sample.members.append((name, _wds_key(name)[1], kind, tf.extractfile(member).read()))
@@ -440,7 +681,7 @@ def _iter_tar(path: str, report: SkipReport) -> Iterator[RawItem]:
             yield from sample.flush(report)
             f = tf.extractfile(member)
             try:
-                yield from _iter_file(f, name, where, kind, report)
+                yield from _iter_file(f, name, where, kind, report, limits)
             except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # this member's own gzip layer is broken
                 report.add("unreadable_file", f"{where} (after the last record read from it)",
                            f"{type(e).__name__}: {e}; the rest of the member is lost (how many records is unknown)",
@@ -448,19 +689,21 @@ def _iter_tar(path: str, report: SkipReport) -> Iterator[RawItem]:
         yield from sample.flush(report)
 
 
-def iter_raw(shard: Shard, report: SkipReport) -> Iterator[RawItem]:
+def iter_raw(shard: Shard, report: SkipReport, limits: ReadLimits | None = None) -> Iterator[RawItem]:
     """Stream a shard's raw items (undecoded) with their locations; see the module docstring.
 
     A file that cannot be read to its end (truncated gzip or tar, corrupt Parquet) is reported as
     ``unreadable_file`` at the last location reached, with the number of records read before it;
-    the items before it are kept.
+    the items before it are kept. ``limits`` bound what one record may take (default
+    :class:`ReadLimits`).
     """
+    limits = limits if limits is not None else _DEFAULT_LIMITS
     where, n = shard.path, 0
     try:
         if shard.kind == "tar":
-            items = _iter_tar(shard.path, report)
+            items = _nonempty(_iter_tar(shard.path, report, limits), shard.path, report)
         else:
-            items = _iter_file(shard.path, shard.path, shard.path, shard.kind, report)
+            items = _iter_file(shard.path, shard.path, shard.path, shard.kind, report, limits)
         for item in items:
             where, n = item[1], n + 1
             yield item
@@ -493,11 +736,12 @@ def decode_item(item: RawItem, report: SkipReport) -> dict | None:
     return rec
 
 
-def iter_records(spec, report: SkipReport | None = None) -> Iterator[tuple[dict, str]]:
+def iter_records(spec, report: SkipReport | None = None,
+                 limits: ReadLimits | None = None) -> Iterator[tuple[dict, str]]:
     """Yield ``(record, location)`` for every decodable record of every shard of ``spec``."""
     report = report if report is not None else SkipReport(strict=True)
     for shard in list_shards(spec):
-        for item in iter_raw(shard, report):
+        for item in iter_raw(shard, report, limits):
             rec = decode_item(item, report)
             if rec is not None:
                 yield rec, item[1]

@@ -297,3 +297,63 @@ def test_truncation_stats_are_kept_with_the_cache(tmp_path, tokenizer, write_jso
                                              SkipReport()).input_ids)
     assert c.stats == {"n_truncated": 1, "n_truncated_tokens": n_full - 11} and c.lengths.max() == 12
     assert c[0][0][4] == tokenizer.token_to_id("<sep>")
+
+
+def _unsampled_offset(size: int) -> int:
+    """An offset past the first MiB that the sampled fingerprint does not read (sources.shard_fingerprint)."""
+    blocks = [((size - (64 << 10)) * (i + 1) // 17, (size - (64 << 10)) * (i + 1) // 17 + (64 << 10))
+              for i in range(16)] + [(0, 1 << 20), (size - (1 << 20), size)]
+    return next(p for p in range(1 << 20, size, 4096) if all(not (a <= p < b + 100) for a, b in blocks))
+
+
+def test_same_size_edit_is_seen_with_full_hash_only(tmp_path, tokenizer, capsys):
+    """The default fingerprint samples files over 3 MiB: an in-place edit that keeps the size and
+    misses the samples reuses the old tokens (documented). ``full_hash`` / ``--full-hash`` sees it,
+    and ``info`` says which check a cache was built with."""
+    size = 4 << 20
+    p = tmp_path / "src" / "big.jsonl"
+    p.parent.mkdir()
+    at = _unsampled_offset(size)
+    first = json.dumps({"text": "hello world"}).encode() + b"\n"
+    line = json.dumps({"text": "alpha"}).encode() + b"\n"
+    data = bytearray(b"\n" * size)  # blank lines are skipped: two records in 4 MiB
+    data[: len(first)] = first
+    data[at : at + len(line)] = line
+    p.write_bytes(bytes(data))
+    texts = lambda c: sorted(tokenizer.decode(c[i][0].tolist()) for i in range(len(c)))
+    sampled = build_cache(str(p), tokenizer, TEXT, str(tmp_path / "s"), progress=False)
+    full = build_cache(str(p), tokenizer, TEXT, str(tmp_path / "f"), progress=False, full_hash=True)
+    assert texts(sampled) == texts(full) == ["alpha", "hello world"]
+    data[at : at + len(line)] = json.dumps({"text": "omega"}).encode() + b"\n"  # same size, same mtime order
+    p.write_bytes(bytes(data))
+    again = build_cache(str(p), tokenizer, TEXT, str(tmp_path / "s"), progress=False)
+    assert again.n_built == 0 and texts(again) == ["alpha", "hello world"]  # the default misses it
+    again = build_cache(str(p), tokenizer, TEXT, str(tmp_path / "f"), progress=False, full_hash=True)
+    assert again.n_built == 1 and texts(again) == ["hello world", "omega"]
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    args = ["build", "--source", str(p), "--tokenizer", str(tmp_path / "tokenizer.json"), "--eos-token", "</s>",
+            "--num-proc", "1", "--no-progress"]
+    assert cli(args + ["--out", str(tmp_path / "s")]) == 0 and "0 of 1 shards tokenized" in capsys.readouterr().out
+    assert cli(args + ["--out", str(tmp_path / "cli"), "--full-hash"]) == 0
+    capsys.readouterr()
+    for out, mode in (("s", "sampled-sha256"), ("cli", "sha256")):
+        assert cli(["info", str(tmp_path / out)]) == 0
+        assert json.loads(capsys.readouterr().out)["source_fingerprint"] == mode
+
+
+def test_read_limits_are_part_of_the_key_and_reach_the_readers(tmp_path, tokenizer, write_jsonl, capsys):
+    from ftlib.data.sources import ReadLimits
+
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": "hello world " * 20}, {"text": "the fox"}])
+    small = ReadLimits(max_record_bytes=100)
+    c = build_cache(src, tokenizer, TEXT, str(tmp_path / "c"), strict=False, progress=False, limits=small)
+    assert len(c) == 1 and c.report.counts == {"record_too_large": 1}
+    c = build_cache(src, tokenizer, TEXT, str(tmp_path / "c"), progress=False)  # the default bound: read again
+    assert len(c) == 2 and c.n_built == 1 and not c.report
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    rc = cli(["build", "--source", src, "--tokenizer", str(tmp_path / "tokenizer.json"), "--eos-token", "</s>",
+              "--out", str(tmp_path / "cli"), "--num-proc", "1", "--no-progress", "--lenient",
+              "--max-record-bytes", "100"])
+    assert rc == 0 and "record_too_large: 1" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"ReadLimits\.max_record_bytes must be a positive int"):
+        ReadLimits(max_record_bytes=0)

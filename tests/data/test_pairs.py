@@ -1,6 +1,7 @@
 """Pair data: record conventions, response-only loss masks, the truncation policy, the pair cache."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -222,3 +223,23 @@ def test_pair_cache_from_messages_files(tmp_path, tokenizer):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cache = build_pair_cache(str(path), tokenizer, CFG, str(tmp_path / "c"), progress=False)
     assert len(cache) == 1 and cache.chosen_len[0] > 0 and cache.prompt_len[0] > 0
+
+
+def test_pair_files_go_through_the_one_reader_core(tmp_path, tokenizer):
+    """Pair data is read by ftlib.data.sources like SFT data: a leading BOM is stripped, a link
+    loop is read once, an over-long record is refused and counted, empty files are reported."""
+    from ftlib.data.sources import ReadLimits
+
+    d = tmp_path / "pairs"
+    d.mkdir()
+    row = {"prompt": "why", "chosen": "because of Rayleigh scattering", "rejected": "hello world"}
+    big = dict(row, prompt="why " * 100)
+    (d / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(row).encode() + b"\n" + json.dumps(big).encode() + b"\n")
+    (d / "b.jsonl").write_bytes(b"\n")
+    os.symlink(".", d / "loop")
+    with pytest.warns(UserWarning, match=r"loop -> \. \(a directory read already\)"):
+        cache = build_pair_cache(str(d), tokenizer, CFG, str(tmp_path / "c"), strict=False, progress=False,
+                                 limits=ReadLimits(max_record_bytes=300))
+    assert len(cache) == 1
+    assert cache.report.counts == {"record_too_large": 1} and cache.report.notes == {"empty_file": 1}
+    assert cache.report.examples["record_too_large"][0].startswith(f"{d / 'a.jsonl'}:2: record_too_large")

@@ -25,6 +25,7 @@ from ftlib.data import (
     TokenLoader,
     build_cache,
     iter_records,
+    list_shards,
     open_cache,
 )
 
@@ -270,3 +271,230 @@ def test_docstrings_point_to_files_that_ship():
                     path = os.path.join(dirpath, name)
                     assert "DESIGN.md" not in open(path).read(), path
     assert seen > 20
+
+
+# ---- fault-injection review: links, empty files, bounds, messages, BOM -------------------------
+def _bounded(fn, seconds=60):
+    """fn() in a thread; fails (instead of hanging the suite) if it has not returned in time."""
+    import threading
+
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the test thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"did not finish in {seconds} s (a walk that never ends?)")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_symlink_loops_in_a_directory_are_read_once(tmp_path, tokenizer, write_jsonl):
+    """data/self -> . turned 1 record into 41 documents in a strict build that said "no records
+    skipped"; data/up -> .. made the walk exponential. Each real path is visited once; the links
+    not followed are named in one warning."""
+    d = tmp_path / "data"
+    d.mkdir()
+    write_jsonl(d / "a.jsonl", [{"text": "hello world"}])
+    os.symlink(".", d / "self")
+    os.symlink("..", d / "up")
+    os.symlink("a.jsonl", d / "same.jsonl")
+    with pytest.warns(UserWarning, match=r"3 link\(s\) not followed") as w:
+        cache = _bounded(lambda: build_cache(str(d), tokenizer, TEXT, str(tmp_path / "c"), progress=False))
+    assert len(cache) == 1 and not cache.report
+    msg = str(w[0].message)
+    assert "self -> . (a directory read already)" in msg
+    assert f"up -> .. (a directory that contains {d}: a loop)" in msg
+    assert "same.jsonl -> a.jsonl (the file" in msg
+
+
+def test_links_to_one_file_from_outside_the_listing_are_all_read(tmp_path, write_jsonl):
+    """The hub cache links each snapshot file to a content-addressed blob: two files with equal
+    bytes share one target and are still two files of the dataset."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    snap.mkdir()
+    write_jsonl(blobs / "0f3a", [{"text": "same bytes"}])
+    os.symlink(blobs / "0f3a", snap / "train-0.jsonl")
+    os.symlink(blobs / "0f3a", snap / "train-1.jsonl")
+    assert [r["text"] for r, _ in iter_records(str(snap))] == ["same bytes", "same bytes"]
+
+
+def test_recursive_glob_through_a_link_loop_is_read_once(tmp_path, write_jsonl):
+    d = tmp_path / "data"
+    (d / "sub").mkdir(parents=True)
+    write_jsonl(d / "sub" / "b.jsonl", [{"text": "b"}])
+    write_jsonl(d / "a.jsonl", [{"text": "a"}])
+    os.symlink("..", d / "sub" / "back")
+    with pytest.warns(UserWarning, match=r"sub/back -> \.\. \(a directory read already\)"):
+        got = _bounded(lambda: [r["text"] for r, _ in iter_records(str(d / "**" / "*.jsonl"))])
+    assert got == ["a", "b"]
+
+
+def test_dangling_link_names_link_and_target(tmp_path, write_jsonl):
+    d = tmp_path / "data"
+    d.mkdir()
+    write_jsonl(d / "a.jsonl", [{"text": "a"}])
+    os.symlink("gone.jsonl", d / "b.jsonl")
+    with pytest.raises(DataError, match=r"b\.jsonl: symbolic link to gone\.jsonl, which does not exist"):
+        list_shards(str(d))
+
+
+def test_empty_and_whitespace_files_are_reported(tmp_path, tokenizer, write_jsonl):
+    """Empty or whitespace-only data files were passed over without a word."""
+    d = tmp_path / "data"
+    d.mkdir()
+    write_jsonl(d / "a.jsonl", [{"text": "hello world"}])
+    (d / "b_empty.jsonl").write_bytes(b"")
+    (d / "c_blank.jsonl").write_text("\n   \n\t\n")
+    (d / "d_blank.txt").write_text("  \n")
+    (d / "e_empty.json").write_text("[]")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), d / "f_empty.parquet")
+    with tarfile.open(d / "g.tar", "w") as tf:
+        _member(tf, "x/h.jsonl", b"\n\n")
+    with pytest.raises(DataError, match=r"b_empty\.jsonl: empty_file: it holds no records"):
+        build_cache(str(d), tokenizer, TEXT, str(tmp_path / "strict"), progress=False)
+    cache = build_cache(str(d), tokenizer, TEXT, str(tmp_path / "lenient"), strict=False, progress=False)
+    assert len(cache) == 1
+    assert cache.report.notes == {"empty_file": 6} and cache.report.total == 0
+    text = str(cache.report)
+    assert "no records skipped" not in text and "empty_file: 6 (no records lost)" in text
+    assert "b_empty.jsonl: empty_file" in text  # the first 5 locations are kept as examples
+    rep = SkipReport(strict=False)
+    assert list(iter_records(str(d / "g.tar"), rep)) == []
+    assert rep.notes == {"empty_file": 1} and "g.tar!x/h.jsonl: empty_file" in str(rep)
+
+
+def test_a_build_that_gives_no_document_is_an_error(tmp_path, tokenizer):
+    """A build of only empty files gave a cache of 0 documents without an error."""
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.jsonl").write_text("\n")
+    (d / "b.txt").write_text(" ")
+    with pytest.raises(DataError, match=r"a\.jsonl: empty_file"):
+        build_cache(str(d), tokenizer, TEXT, str(tmp_path / "c"), progress=False)
+    with pytest.raises(DataError, match=r"the build gave 0 documents from 2 file\(s\) \(.*a\.jsonl, .*b\.txt\)"):
+        build_cache(str(d), tokenizer, TEXT, str(tmp_path / "c"), strict=False, progress=False)
+    assert not os.path.exists(tmp_path / "c" / "manifest.json")
+
+
+def test_a_line_over_the_record_bound_is_refused_and_counted(tmp_path):
+    """A 10 KB gzip expanding to one 10 MB line was read and tokenized whole. A line over
+    ReadLimits.max_record_bytes is read past (never held) and reported; the next line is read."""
+    from ftlib.data.sources import ReadLimits
+
+    p = tmp_path / "big.jsonl.gz"
+    with gzip.open(p, "wt") as f:
+        f.write(json.dumps({"text": "x" * (3 << 20)}) + "\n" + json.dumps({"text": "after"}) + "\n")
+    limits = ReadLimits(max_record_bytes=1 << 20)
+    with pytest.raises(DataError, match=r"big\.jsonl\.gz:1: record_too_large: a line of 3145741 bytes is over "
+                                        r"ReadLimits\.max_record_bytes=1048576 \(1 MiB\)"):
+        list(iter_records(str(p), limits=limits))
+    rep = SkipReport(strict=False)
+    got = list(iter_records(str(p), rep, limits=limits))
+    assert [(r["text"], w.rsplit(":", 1)[1]) for r, w in got] == [("after", "2")]
+    assert rep.counts == {"record_too_large": 1}
+    assert [r["text"][:3] for r, _ in iter_records(str(p))] == ["xxx", "aft"]  # the default bound is 16 MiB
+
+
+def test_long_text_is_cut_before_tokenizing(tmp_path, tokenizer):
+    """A record far longer than max_length was tokenized whole before truncation (2.2 GB, 37 s for
+    10 MB). Now the tokenizer sees a bounded prefix, the kept tokens are those of the whole text,
+    and the cut is counted."""
+    words = "hello world the quick brown fox jumps over the lazy dog".split()
+    rng = np.random.default_rng(0)
+    text = " ".join(rng.choice(words, 200_000))  # ~1 MB
+    seen = []
+
+    class Spy:  # the tokenizer, recording the longest text it was asked to encode
+        def __init__(self, tok):
+            self.tok = tok
+
+        def encode(self, s, **kw):
+            seen.append(len(s))
+            return self.tok.encode(s, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+    cfg = FormatConfig(kind="text", eos_token="</s>", max_length=64, truncation="right")
+    fmt = Formatter(Spy(tokenizer), cfg)
+    doc = fmt({"text": text}, "big.jsonl:1", SkipReport())
+    assert max(seen) <= (64 + 64) * 32 < len(text)
+    assert doc.input_ids.tolist() == tokenizer.encode(text, add_special_tokens=False).ids[:64]
+    assert doc.truncated and fmt.stats["n_cut_before_tokenizing"] == 1
+    assert fmt.stats["n_cut_chars"] == len(text) - (64 + 64) * 32
+
+
+def test_instruction_field_of_the_wrong_type_is_named(tokenizer):
+    """An instruction record with prompt: 5 blamed "message 0"."""
+    fmt = Formatter(tokenizer, FormatConfig(kind="instruction", chat_template="chatml"))
+    with pytest.raises(DataError, match=r"d\.jsonl:3: bad_field: field 'prompt' is int, not a string"):
+        fmt({"prompt": 5, "response": "hi"}, "d.jsonl:3", SkipReport())
+    rep = SkipReport(strict=False)
+    assert fmt({"prompt": "hi", "response": ["a"]}, "d.jsonl:4", rep) is None
+    assert rep.examples["bad_field"] == ["d.jsonl:4: bad_field: field 'response' is list, not a string"]
+
+
+def test_a_failed_cache_write_names_the_file(tmp_path, tokenizer, write_jsonl, monkeypatch):
+    """A cache build on a full disk said "OSError: Error writing bytes" without a path."""
+    (tmp_path / "src").mkdir()
+    src = write_jsonl(tmp_path / "src" / "a.jsonl", [{"text": "hello world"}])
+
+    class FullDisk:  # what pyarrow raises when the device is full
+        def __init__(self, *a, **k):
+            raise OSError("Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(pa, "OSFile", FullDisk)
+        with pytest.raises(CacheError, match=r"c/shards/[0-9a-f]{32}\.arrow: could not write the cache shard of "
+                                             r".*a\.jsonl: OSError: Error writing bytes.*No space left on device"):
+            build_cache(src, tokenizer, TEXT, str(tmp_path / "c"), progress=False)
+    assert not os.listdir(tmp_path / "c" / "shards")  # no half file left behind
+    from ftlib.data import cache as cache_mod
+
+    real = cache_mod.atomic_write
+
+    def full_for_manifest(path, write):
+        if str(path).endswith("manifest.json"):
+            raise OSError(28, "No space left on device")
+        real(path, write)
+
+    monkeypatch.setattr(cache_mod, "atomic_write", full_for_manifest)
+    with pytest.raises(CacheError, match=r"c/manifest\.json: could not write the cache manifest: .*No space left"):
+        build_cache(src, tokenizer, TEXT, str(tmp_path / "c"), progress=False)
+
+
+def test_a_leading_bom_is_stripped_by_every_reader(tmp_path):
+    """The .json reader accepted a UTF-8 BOM, .jsonl refused it (and .txt kept it as text)."""
+    bom = b"\xef\xbb\xbf"
+    d = tmp_path / "d"
+    d.mkdir()
+    line = lambda t: json.dumps({"text": t}).encode() + b"\n"
+    (d / "a.jsonl").write_bytes(bom + line("jsonl"))
+    (d / "b.jsonl.gz").write_bytes(gzip.compress(bom + line("jsonl.gz")))
+    (d / "c.json").write_bytes(bom + json.dumps([{"text": "json"}]).encode())
+    (d / "d.txt").write_bytes(bom + b"txt")
+    (d / "e.txt.gz").write_bytes(gzip.compress(bom + b"txt.gz"))
+    with tarfile.open(d / "f.tar", "w") as tf:
+        _member(tf, "m/lines.jsonl", bom + line("tar jsonl"))
+        _member(tf, "m/one.json", bom + json.dumps({"text": "tar json"}).encode())
+        _member(tf, "m/two.txt", bom + b"tar txt")
+        _member(tf, "s/000.json", bom + json.dumps({"source": "wds"}).encode())
+        _member(tf, "s/000.txt", bom + b"wds txt")
+        _member(tf, "s/001.json", bom + json.dumps({"source": "wds gz"}).encode())
+        _member(tf, "s/001.txt.gz", gzip.compress(bom + b"wds txt.gz"))
+    got = [r["text"] for r, _ in iter_records(str(d))]  # strict: any refusal raises
+    assert sorted(got) == sorted(["jsonl", "jsonl.gz", "json", "txt", "txt.gz", "tar jsonl", "tar json", "tar txt",
+                                  "wds txt", "wds txt.gz"])
+    # a BOM anywhere but the start is content: in JSON outside a string it is malformed
+    (d / "a.jsonl").write_bytes(line("one") + bom + line("two"))
+    with pytest.raises(DataError, match=r"a\.jsonl:2: malformed_json"):
+        list(iter_records(str(d / "a.jsonl")))

@@ -291,3 +291,54 @@ def test_report_counts_unknown_losses_apart():
     other.merge(rep.to_dict())
     assert other.counts == {"unreadable_file": 100} and other.unknown == {"unreadable_file": 1}
     assert "unreadable_file: 100 + an unknown number (1 place)" in str(other)
+
+
+def _bomb_tar(path, name, payload):
+    with tarfile.open(path, "w") as tf:
+        _add_member(tf, name, payload)
+        _add_member(tf, "z/after.jsonl", b'{"text": "after"}\n')
+
+
+@pytest.mark.parametrize("case", ["txt", "txt.gz", "json", "json.gz", "tar txt", "tar json", "tar parquet",
+                                  "tar jsonl", "wds txt.gz", "parquet row"])
+def test_every_reader_is_bounded(tmp_path, case):
+    """No reader holds more than ReadLimits allows: a record over max_record_bytes is refused
+    (record_too_large, 1 record), a whole-parsed document over max_file_bytes too (file_too_large,
+    records unknown); gzip bombs stop at the bound. Everything after it is still read."""
+    lim = src.ReadLimits(max_record_bytes=4096, max_file_bytes=8192)
+    big = b"x" * 20000
+    recs = json.dumps([{"text": "x" * 100}] * 100).encode()
+    p = tmp_path / "f"
+    if case == "parquet row":  # pyarrow reads the row group; the row is kept from the tokenizer
+        p = tmp_path / "f.parquet"
+        pq.write_table(pa.table({"text": [big.decode(), "after"]}), p)
+    elif case in ("txt", "txt.gz", "json", "json.gz"):
+        data = big if case.startswith("txt") else recs
+        p = tmp_path / f"f.{case}"
+        p.write_bytes(gzip.compress(data) if case.endswith(".gz") else data)
+    else:
+        p = tmp_path / "f.tar"
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"text": [f"{i:04d}" + "x" * 96 for i in range(200)]}), buf, compression="none",
+                       use_dictionary=False)
+        member = {"tar txt": ("a/b.txt", big), "tar json": ("a/b.json", recs),
+                  "tar parquet": ("a/b.parquet", buf.getvalue()),
+                  "tar jsonl": ("a/b.jsonl", json.dumps({"text": big.decode()}).encode() + b"\n"),
+                  "wds txt.gz": ("a/b.txt.gz", gzip.compress(big))}[case]
+        if case == "wds txt.gz":  # a webdataset sample: the decompressed field is bounded
+            with tarfile.open(p, "w") as tf:
+                _add_member(tf, "a/b.json", b'{"k": 1}')
+                _add_member(tf, *member)
+                _add_member(tf, "z/after.jsonl", b'{"text": "after"}\n')
+        else:
+            _bomb_tar(p, *member)
+    record = case in ("txt", "txt.gz", "tar txt", "tar jsonl", "wds txt.gz", "parquet row")
+    reason = "record_too_large" if record else "file_too_large"
+    bound = "max_record_bytes=4096" if record else "max_file_bytes=8192"
+    rep = SkipReport(strict=False)
+    got = [r.get("text") for r, _ in iter_records(str(p), rep, limits=lim)]
+    assert got == (["after"] if p.suffix in (".tar", ".parquet") else [])
+    assert (rep.counts, rep.unknown) == (({reason: 1}, {}) if record else ({reason: 0}, {reason: 1}))
+    assert f"ReadLimits.{bound}" in rep.examples[reason][0]
+    # without the limit, the same file is read whole
+    assert len([r for r, _ in iter_records(str(p), SkipReport(strict=False))]) >= 1
