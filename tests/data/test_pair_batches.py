@@ -279,3 +279,30 @@ def test_starting_an_iteration_leaves_the_global_torch_rng_alone(front):
     loader.load_state_dict(state)
     next(iter(loader))  # a resumed iteration starts a second DataLoader
     assert torch.equal(torch.rand(4), want)
+
+
+def test_data_exports_the_preference_pipeline():
+    """ftlib.data is the one place to import the data pipeline from, preference pairs included."""
+    import ftlib.data as data
+    from ftlib.data import pair_batches, pairs
+
+    for mod in (pairs, pair_batches):
+        for name in mod.__all__:
+            assert name in data.__all__ and getattr(data, name) is getattr(mod, name), name
+    assert data.__all__ == sorted(data.__all__) and len(set(data.__all__)) == len(data.__all__)
+    assert all(hasattr(data, name) for name in data.__all__)
+
+
+def test_data_modules_cross_only_through_public_names():
+    """No module of ftlib.data imports a private (_name) name from another ftlib module."""
+    import ast
+    from pathlib import Path
+
+    import ftlib.data
+
+    bad = []
+    for path in sorted(Path(ftlib.data.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("ftlib")):
+                bad += [f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_") and a.name != "__all__"]
+    assert not bad
