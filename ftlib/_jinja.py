@@ -23,7 +23,7 @@ building a string of gigabytes, so each render is also bounded:
 
 * time: ``max_seconds`` (default ``DEFAULT_MAX_SECONDS`` = 2 s; an ordinary template renders a
   conversation in well under a millisecond), checked at every iteration of every ``{% for %}``
-  loop, every call (functions, methods, macros, filters) and every piece of output;
+  loop and every call (functions, methods, macros, filters);
 * size: ``max_chars`` (default ``DEFAULT_MAX_CHARS`` = 4,000,000 characters) for the output and
   for every value the template builds, counted deep (a list of strings weighs its length plus
   its strings' lengths): the results of ``+ * ** %``, of ``~`` concatenation, of every call and
@@ -321,7 +321,10 @@ def compile_template(template: str):
             b = _BUDGET.get()
             if b is None:
                 return super().call_binop(context, operator, left, right)
-            b.tick()
+            if operator == "+" and type(left) is str and type(right) is str:  # the common case, kept cheap
+                if len(left) + len(right) > b.max_chars:
+                    b.refuse("'+'", len(left) + len(right))
+                return left + right
             b.check_binop(operator, left, right)
             return b.sized(super().call_binop(context, operator, left, right), f"{operator!r}")
 
@@ -360,12 +363,13 @@ def render_chat(messages: list[dict], template: str, *, add_generation_prompt: b
     token = _BUDGET.set(budget)
     try:
         compiled = compile_template(template_text(template))
-        out, n = [], 0
+        out, n, limit = [], 0, budget.max_chars
+        # the size of the output so far, at every piece (time is checked by the loop and call hooks:
+        # without a loop a template writes no more pieces than its own text holds)
         for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt, **variables):
             n += len(piece)
-            if n > budget.max_chars:
+            if n > limit:
                 budget.refuse("output", n)
-            budget.tick()
             out.append(piece)
         return "".join(out)
     except MemoryError:
