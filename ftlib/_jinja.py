@@ -27,7 +27,7 @@ building a string of gigabytes, so each render is also bounded:
 * size: ``max_chars`` (default ``DEFAULT_MAX_CHARS`` = 4,000,000 characters) for the output and
   for every value the template builds, counted deep (a list of strings weighs its length plus
   its strings' lengths): the results of ``+ * ** %``, of ``~`` concatenation, of every call and
-  filter. Operations that multiply their input are checked *before* they run (``s * n``, ``x **
+  filter, and every ``{% set %}`` value. Operations that multiply their input are checked *before* they run (``s * n``, ``x **
   n``, ``replace``, ``join``, ``expandtabs``, ``indent``, widths in ``%`` and ``format``
   specs, and any integer argument above ``max_chars``), so no single step allocates more than a
   few times ``max_chars``; integers are kept under 2**16 bits.
@@ -114,7 +114,7 @@ class _Budget:
                                  f"{self.max_chars} (after {self.elapsed():.2f} s)")
 
     def weight(self, x, memo: dict | None = None) -> int:
-        """Deep size of a value: characters of strings, plus items of containers (shared ones once)."""
+        """Deep size of a value: characters of strings plus items of containers, a shared one counted at each use."""
         if isinstance(x, (str, bytes)):
             return len(x)
         if isinstance(x, int) and not isinstance(x, bool):
@@ -227,9 +227,16 @@ def _loop_items(iterable):
     return iterable if b is None else _Ticking(iterable, b)
 
 
-def _checked(value):
+def _checked_concat(value):
     """Wrapped around every ``~`` concatenation: the sandbox's ``call`` hook checks the value's size."""
     return value
+
+
+def _checked_set(value):
+    """Wrapped around every ``{% set %}`` value (values fed back in a loop grow geometrically)."""
+    return value
+
+
 
 
 def _filter_precheck(b: _Budget, name: str, args) -> None:
@@ -255,16 +262,18 @@ def _filter_precheck(b: _Budget, name: str, args) -> None:
 
 
 def _bounded_filter(name: str, f, context_types: tuple):
+    what = "'{% set %}' block" if name == "set_block" else f"filter {name!r}"
+
     @functools.wraps(f)  # keeps jinja's pass_context / pass_eval_context marker
     def bounded(*args, **kwargs):
         b = _BUDGET.get()
         if b is None:
             return f(*args, **kwargs)
         b.tick()
-        b.check_args(args, kwargs, f"filter {name!r}")
+        b.check_args(args, kwargs, what)
         data = [a for a in args if not isinstance(a, context_types)]  # without a pass_context argument
         _filter_precheck(b, name, data)
-        return b.sized(f(*args, **kwargs), f"filter {name!r}")
+        return b.sized(f(*args, **kwargs), what)
 
     return bounded
 
@@ -295,7 +304,7 @@ def compile_template(template: str):
             return caller()
 
     class Bounds(NodeTransformer):
-        """Route every loop's iterable and every ``~`` through the hooks (``_loop_items``, ``_checked``)."""
+        """Route every loop's iterable, ``~`` and ``{% set %}`` through the hooks below."""
 
         def _wrap(self, fn: str, node):
             call = nodes.Call(nodes.ImportedName(f"{__name__}.{fn}"), [node], [], None, None)
@@ -307,7 +316,17 @@ def compile_template(template: str):
             return node
 
         def visit_Concat(self, node):
-            return self._wrap("_checked", self.generic_visit(node))
+            return self._wrap("_checked_concat", self.generic_visit(node))
+
+        def visit_Assign(self, node):
+            node = self.generic_visit(node)
+            node.node = self._wrap("_checked_set", node.node)
+            return node
+
+        def visit_AssignBlock(self, node):  # {% set x %}...{% endset %}: the body's text, through a checking filter
+            node = self.generic_visit(node)
+            node.filter = nodes.Filter(node.filter, "set_block", [], [], None, None).set_lineno(node.lineno)
+            return node
 
     class BoundedEnvironment(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"+", "*", "**", "%"})
@@ -333,7 +352,8 @@ def compile_template(template: str):
             if b is None:
                 return super().call(__context, __obj, *args, **kwargs)
             b.tick()
-            what = "'~'" if __obj is _checked else f"call of {getattr(__obj, '__name__', type(__obj).__name__)!r}"
+            what = ("'~'" if __obj is _checked_concat else "'{% set %}'" if __obj is _checked_set
+                    else f"call of {getattr(__obj, '__name__', type(__obj).__name__)!r}")
             b.check_args(args, kwargs, what)
             b.check_method(__obj, args)
             return b.sized(super().call(__context, __obj, *args, **kwargs), what)
@@ -346,6 +366,7 @@ def compile_template(template: str):
 
     env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
+    env.filters["set_block"] = lambda text: text  # checked by _bounded_filter (see Bounds.visit_AssignBlock)
     env.filters = {k: _bounded_filter(k, f, (Context, EvalContext)) for k, f in env.filters.items()}
     env.globals.pop("lipsum", None)
     env.globals["raise_exception"] = raise_exception

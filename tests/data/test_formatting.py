@@ -410,6 +410,10 @@ def test_a_looping_template_is_stopped_per_record_and_says_why(tokenizer):
     ("{% set s = 'x' * 60000 %}{{ s.replace('x', 'yyyy') }}", "str.replace would build 240000 characters"),
     ("{{ 10 ** 100000000 }}", r"'\*\*' would build an integer"),
     ("{% for i in range(100) %}{{ 'x' * 5000 }}{% endfor %}", "output would build 105000 characters"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s %}{{ ns.s }}{{ ns.s }}{% endset %}"
+     "{% endfor %}", "'{% set %}' block would build 131072 characters"),
+    ("{% set ns = namespace(s=['ab']) %}{% for i in range(40) %}{% set ns.s = [ns.s, ns.s] %}{% endfor %}",
+     "'{% set %}' would build 1"),
 ])
 def test_templates_cannot_build_huge_values(template, what):
     """Each of these would allocate gigabytes (or run for minutes); refused before it allocates more
