@@ -27,10 +27,12 @@ building a string of gigabytes, so each render is also bounded:
 * size: ``max_chars`` (default ``DEFAULT_MAX_CHARS`` = 4,000,000 characters) for the output and
   for every value the template builds, counted deep (a list of strings weighs its length plus
   its strings' lengths): the results of ``+ * ** %``, of ``~`` concatenation, of every call and
-  filter, and every ``{% set %}`` value. Operations that multiply their input are checked *before* they run (``s * n``, ``x **
-  n``, ``replace``, ``join``, ``expandtabs``, ``indent``, widths in ``%`` and ``format``
-  specs, and any integer argument above ``max_chars``), so no single step allocates more than a
-  few times ``max_chars``; integers are kept under 2**16 bits.
+  filter, and every ``{% set %}`` value or block. Operations that multiply their input are
+  checked *before* they run (``s * n``, ``x ** n``, ``replace``, ``join``, ``expandtabs``,
+  ``indent``, widths in ``%`` and ``format`` specs, any integer argument above ``max_chars``),
+  so no single step allocates more than a few times ``max_chars``; integers stay under 2**16
+  bits. Text a macro or ``{% filter %}`` block writes is checked when the block returns; until
+  then it grows at most linearly, for at most ``max_seconds``.
 
 Crossing a bound raises :class:`TemplateLimitError` (a ``ValueError``) saying which bound, the
 value and the time spent; a ``MemoryError`` while rendering is turned into the same error with
