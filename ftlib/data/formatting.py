@@ -338,13 +338,15 @@ class Formatter:
         kw = {"bos_token": self.bos_text or "", "eos_token": self.eos_text or "", "add_generation_prompt": False,
               "max_seconds": c.template_max_seconds, "max_chars": c.template_max_chars}
         plain = render_chat(msgs, c.chat_template, **kw)
-        for strip in (False, True):
+        # a template that trims content sees the sentinels instead of the whitespace: then the content goes in
+        # stripped (assistant turns, tool results, or both, as the template trims them)
+        for strip_a, strip_t in ((False, False), (True, False), (False, True), (True, True)):
             marked = []
             for m in msgs:
                 if m["role"] == "assistant":
-                    m = {**m, "content": _S0 + (m["content"].strip() if strip else m["content"]) + _S1}
+                    m = {**m, "content": _S0 + (m["content"].strip() if strip_a else m["content"]) + _S1}
                 elif m["role"] in _TOOL_ROLES:
-                    m = {**m, "content": _T0 + (m["content"].strip() if strip else m["content"]) + _T1}
+                    m = {**m, "content": _T0 + (m["content"].strip() if strip_t else m["content"]) + _T1}
                 marked.append(m)
             text = render_chat(marked, c.chat_template, **kw)
             # strip the sentinels, recording the [start, end) of each wrapped assistant content
