@@ -7,14 +7,40 @@ records are counted in one report per cache (``report.py``).
     cache = build_cache("data/train/", tokenizer, cfg, "cache/train", num_proc=8)
     loader = TokenLoader(cache, batch_size=8, seq_len=4096, pad_id=0, seed=0)
 
+Preference pairs take the same path: ``PairConfig`` / ``build_pair_cache`` (``pairs.py``) ->
+``PairLoader`` (``pair_batches.py``, packed or padded pair batches) -> ``MarginFilter``. Both
+loaders are fronts of one core, ``UnitLoader`` (``loader.py``). Chat templates are rendered by
+one function, ``render_chat(messages, template)``.
+
 Pre-tokenize from the shell: ``python -m ftlib.data build --help``.
 """
 
 from .cache import CacheError, TokenCache, build_cache, open_cache
 from .collate import collate_packed, length_grouped_batches, pad_collate, padding_fraction
-from .formatting import BUILTIN_TEMPLATES, FormatConfig, FormattedDoc, Formatter, detect_turn_end, render_chat
-from .loader import TokenLoader
+from .formatting import (
+    BUILTIN_TEMPLATES,
+    CHAT_ROLES,
+    FormatConfig,
+    FormattedDoc,
+    Formatter,
+    TemplateLimitError,
+    detect_turn_end,
+    render_chat,
+)
+from .loader import TokenLoader, UnitLoader
 from .packing import PackPlan, PackStats, bfd_assign, cpp_available, pack
+from .pair_batches import MarginFilter, PairLoader, collate_pairs_packed, collate_pairs_padded, select_pairs
+from .pairs import (
+    CHOSEN_BIT,
+    LOSS_BIT,
+    REJECTED_BIT,
+    PairCache,
+    PairConfig,
+    PairDoc,
+    PairFormatter,
+    build_pair_cache,
+    open_pair_cache,
+)
 from .report import DataError, SkipReport
 from .sources import (
     Shard,
@@ -29,20 +55,35 @@ from .sources import (
 
 __all__ = [
     "BUILTIN_TEMPLATES",
+    "CHAT_ROLES",
+    "CHOSEN_BIT",
     "CacheError",
     "DataError",
     "FormatConfig",
     "FormattedDoc",
     "Formatter",
+    "LOSS_BIT",
+    "MarginFilter",
     "PackPlan",
     "PackStats",
+    "PairCache",
+    "PairConfig",
+    "PairDoc",
+    "PairFormatter",
+    "PairLoader",
+    "REJECTED_BIT",
     "Shard",
     "SkipReport",
+    "TemplateLimitError",
     "TokenCache",
     "TokenLoader",
+    "UnitLoader",
     "bfd_assign",
     "build_cache",
+    "build_pair_cache",
     "collate_packed",
+    "collate_pairs_packed",
+    "collate_pairs_padded",
     "cpp_available",
     "decode_item",
     "detect_turn_end",
@@ -51,11 +92,13 @@ __all__ = [
     "length_grouped_batches",
     "list_shards",
     "open_cache",
+    "open_pair_cache",
     "pack",
     "pad_collate",
-    "parse_hub_spec",
     "padding_fraction",
+    "parse_hub_spec",
     "render_chat",
     "resolve_hub_dataset",
+    "select_pairs",
     "shard_fingerprint",
 ]

@@ -6,13 +6,30 @@ Three kinds (``FormatConfig.kind``):
                  token carries loss.
 ``chat``         ``record[messages_field]`` (a list of ``{"role", "content"}``) rendered with a
                  Jinja chat template (the tokenizer's, from tokenizer_config.json, or a built-in
-                 one: ``chatml``, ``llama3``), in a sandbox (``ImmutableSandboxedEnvironment``:
-                 templates cannot reach Python internals). Text without any Jinja tag is refused
+                 one: ``chatml``, ``llama3``) by ftlib's one chat renderer, ``render_chat`` (in
+                 ``ftlib._jinja``, re-exported here): sandboxed (templates cannot reach Python
+                 internals) and bounded per render in time (``template_max_seconds``, default
+                 2 s) and size (``template_max_chars``, default 4,000,000 characters of output
+                 and of any value the template builds). Text without any Jinja tag is refused
                  (a misspelled built-in name would otherwise render as constant text).
 ``instruction``  ``record[prompt_field]`` / ``record[response_field]`` (and an optional
                  ``system_field``) turned into a user/assistant conversation, then as ``chat``.
 
-Loss mask (``loss_on="assistant"``, the default for chat). The template is rendered once with
+Roles. A message's role must be one of ``FormatConfig.roles`` (default ``CHAT_ROLES``: system,
+user, assistant, tool, function); any other (a misspelled ``"usr"``) is an ``unknown_role``
+skip: a ``DataError`` naming the record, the message and the role in strict mode, counted in
+the ``SkipReport`` in lenient mode. Tool and function results are context (no loss), and are
+kept only where the template shows them: their contents are marked like the assistant's, and a
+record whose rendering does not show each of them exactly once (a template with only
+user/assistant branches drops them silently) is an ``unsupported_role`` skip.
+
+Template errors. A record whose template raises, or crosses a rendering bound, is a
+``template_error`` skip whose detail is the exception's type and message (a bound says which
+one and the time spent; a ``MemoryError`` is never an empty reason). A template that crosses a
+bound on the 4-message probe conversation below is refused when the ``Formatter`` is built
+(``TemplateLimitError``): it would fail on every record.
+
+Loss mask (``loss_on="assistant"``, the default for chat). The template is rendered with
 every assistant ``content`` wrapped in private-use sentinel characters; the sentinels give the
 exact character spans of assistant content in the rendered text, and are removed (the result
 is checked to equal the plain rendering). Each span is extended over the *turn end* that
@@ -66,7 +83,6 @@ template decides BOS, ``add_eos`` appends EOS after the rendered conversation).
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
@@ -76,57 +92,52 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .._jinja import compile_template
+from .._jinja import (
+    BUILTIN_TEMPLATES,
+    DEFAULT_MAX_CHARS,
+    DEFAULT_MAX_SECONDS,
+    TemplateLimitError,
+    render_chat,
+    template_text,
+)
 from .pretruncate import encode_bounded
 from .report import SkipReport
 
-__all__ = ["FormatConfig", "FormattedDoc", "Formatter", "render_chat", "BUILTIN_TEMPLATES", "detect_turn_end"]
+__all__ = ["BUILTIN_TEMPLATES", "CHAT_ROLES", "FormatConfig", "FormattedDoc", "Formatter", "TemplateLimitError",
+           "detect_turn_end", "render_chat"]
 
-BUILTIN_TEMPLATES = {
-    "chatml": (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    ),
-    "llama3": (
-        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-        "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-    ),
-}
 _S0, _S1 = "\ue000", "\ue001"  # private-use code points: assistant content start / end sentinels
-_SENTINELS = re.compile(f"[{_S0}{_S1}]")
+_T0, _T1 = "\ue002", "\ue003"  # the same around tool / function results (to see that the template shows them)
+_SENTINELS = re.compile(f"[{_S0}{_S1}{_T0}{_T1}]")
+_RESERVED = (_S0, _S1, _T0, _T1)
 _PROBE = [("user", "\ue010"), ("assistant", "\ue011"), ("user", "\ue012"), ("assistant", "\ue013")]
 TRUNCATIONS = ("prompt_left", "right", "head_tail")
+CHAT_ROLES = ("system", "user", "assistant", "tool", "function")
+_TOOL_ROLES = ("tool", "function")
 
 
-def _template_text(template: str) -> str:
-    """Built-in name -> its text; Jinja text as is; anything else (a misspelled name) refused."""
-    if template in BUILTIN_TEMPLATES:
-        return BUILTIN_TEMPLATES[template]
-    if "{{" not in template and "{%" not in template:
-        close = difflib.get_close_matches(template, list(BUILTIN_TEMPLATES), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"chat_template {template[:60]!r} is neither a built-in name ({', '.join(BUILTIN_TEMPLATES)})"
-                         f"{hint} nor Jinja template text (it has no {{{{ }}}} or {{% %}} tag)")
-    return template
+def _reason(e: BaseException) -> str:
+    """An exception as a skip reason: never empty (a bare MemoryError has no message)."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-def render_chat(messages: list[dict], template: str, **kwargs) -> str:
-    """Render ``messages`` with a Jinja chat template (built-in name or template text)."""
-    return compile_template(_template_text(template)).render(messages=messages, **kwargs)
-
-
-def detect_turn_end(template: str, tokenizer, bos_token: str = "", eos_token: str = "") -> tuple[str | None, str]:
+def detect_turn_end(template: str, tokenizer, bos_token: str = "", eos_token: str = "", *,
+                    max_seconds: float = DEFAULT_MAX_SECONDS,
+                    max_chars: int = DEFAULT_MAX_CHARS) -> tuple[str | None, str]:
     """What ``template`` writes after an assistant's content to end its turn (see the module docstring).
 
     Returns ``(turn_end or None, what the template renders there)``; the second value explains a
-    miss (or names the rendering error).
+    miss (or names the rendering error). A template that crosses a rendering bound on this short
+    conversation raises :class:`TemplateLimitError`: it would do so on every record.
     """
     msgs = [{"role": r, "content": c} for r, c in _PROBE]
     try:
-        text = render_chat(msgs, template, bos_token=bos_token, eos_token=eos_token, add_generation_prompt=False)
+        text = render_chat(msgs, template, bos_token=bos_token, eos_token=eos_token, add_generation_prompt=False,
+                           max_seconds=max_seconds, max_chars=max_chars)
+    except TemplateLimitError as e:
+        raise TemplateLimitError(f"the chat template cannot render a 4-message probe conversation: {e}") from None
     except Exception as e:  # a template that refuses this conversation shape
-        return None, f"the probe conversation does not render: {e}"
+        return None, f"the probe conversation does not render: {_reason(e)}"
     a1, u2, a2 = (text.find(c) for _, c in _PROBE[1:])
     if min(a1, u2, a2) < 0 or not a1 < u2 < a2:
         return None, "the probe conversation's contents do not appear in order"
@@ -162,6 +173,9 @@ class FormatConfig:
     truncation: str = "prompt_left"  # "prompt_left" | "right" | "head_tail"
     head_tail: float | int = 0.5  # head_tail: share of kept region tokens from the head, or a head count
     truncation_sep: str | int | None = None  # head_tail: token put where the middle was cut
+    roles: tuple[str, ...] = CHAT_ROLES  # chat roles a record may use; any other is skipped as unknown_role
+    template_max_seconds: float = DEFAULT_MAX_SECONDS  # per render of one record (ftlib._jinja bounds)
+    template_max_chars: int = DEFAULT_MAX_CHARS  # output and every value a template builds, per render
 
     def __post_init__(self):
         if self.kind not in ("text", "chat", "instruction"):
@@ -169,7 +183,15 @@ class FormatConfig:
         if self.kind != "text" and not self.chat_template:
             raise ValueError(f"FormatConfig.kind={self.kind!r} needs chat_template (a name or Jinja text)")
         if self.chat_template:
-            _template_text(self.chat_template)
+            template_text(self.chat_template)
+        if isinstance(self.roles, str) or not self.roles or not all(isinstance(r, str) and r for r in self.roles):
+            raise ValueError(f"FormatConfig.roles must be a non-empty tuple of role names, got {self.roles!r}")
+        if "assistant" not in self.roles:
+            raise ValueError("FormatConfig.roles must include 'assistant' (the turns that carry loss)")
+        object.__setattr__(self, "roles", tuple(self.roles))
+        if not self.template_max_seconds > 0 or self.template_max_chars < 1:
+            raise ValueError(f"FormatConfig.template_max_seconds must be > 0 and template_max_chars >= 1, got "
+                             f"{self.template_max_seconds!r}, {self.template_max_chars!r}")
         if self.loss_on not in ("assistant", "all"):
             raise ValueError(f"FormatConfig.loss_on must be assistant|all, got {self.loss_on!r}")
         if self.truncation not in TRUNCATIONS:
@@ -249,7 +271,8 @@ class Formatter:
 
     def _resolve_turn_end(self) -> str | None:
         c = self.cfg
-        found, rendered = detect_turn_end(c.chat_template, self.tok, self.bos_text or "", self.eos_text or "")
+        found, rendered = detect_turn_end(c.chat_template, self.tok, self.bos_text or "", self.eos_text or "",
+                                          max_seconds=c.template_max_seconds, max_chars=c.template_max_chars)
         if c.turn_end is not None:
             if found is None or not rendered.startswith(c.turn_end):
                 warnings.warn(f"FormatConfig.turn_end={c.turn_end!r} does not follow the assistant's content in the "
@@ -290,8 +313,12 @@ class Formatter:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 report.add("bad_field", where, f"message {j} needs string 'role' and 'content'")
                 return None
-            if _S0 in m["content"] or _S1 in m["content"]:
-                report.add("bad_field", where, f"message {j} contains reserved code points U+E000/U+E001")
+            if m["role"] not in c.roles:
+                report.add("unknown_role", where, f"message {j} has role {m['role']!r}, not one of "
+                           f"{', '.join(c.roles)} (FormatConfig.roles)")
+                return None
+            if any(x in m["content"] for x in _RESERVED):
+                report.add("bad_field", where, f"message {j} contains reserved code points U+E000..U+E003")
                 return None
         if all(not m["content"].strip() for m in msgs):
             report.add("empty_document", where, "all message contents are empty")
@@ -309,28 +336,36 @@ class Formatter:
                 return None
         return msgs
 
-    def _render(self, msgs: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        kw = {"bos_token": self.bos_text or "", "eos_token": self.eos_text or "", "add_generation_prompt": False}
-        plain = render_chat(msgs, self.cfg.chat_template, **kw)
-        for strip in (False, True):
-            marked = [
-                {**m, "content": _S0 + (m["content"].strip() if strip else m["content"]) + _S1}
-                if m["role"] == "assistant" else m
-                for m in msgs
-            ]
-            text = render_chat(marked, self.cfg.chat_template, **kw)
-            # strip the sentinels, recording the [start, end) of each wrapped content
+    def _render(self, msgs: list[dict]) -> tuple[str, list[tuple[int, int]], int]:
+        """(text, assistant spans, tool / function contents the text shows) of a conversation."""
+        c = self.cfg
+        kw = {"bos_token": self.bos_text or "", "eos_token": self.eos_text or "", "add_generation_prompt": False,
+              "max_seconds": c.template_max_seconds, "max_chars": c.template_max_chars}
+        plain = render_chat(msgs, c.chat_template, **kw)
+        # a template that trims content sees the sentinels instead of the whitespace: then the content goes in
+        # stripped (assistant turns, tool results, or both, as the template trims them)
+        for strip_a, strip_t in ((False, False), (True, False), (False, True), (True, True)):
+            marked = []
+            for m in msgs:
+                if m["role"] == "assistant":
+                    m = {**m, "content": _S0 + (m["content"].strip() if strip_a else m["content"]) + _S1}
+                elif m["role"] in _TOOL_ROLES:
+                    m = {**m, "content": _T0 + (m["content"].strip() if strip_t else m["content"]) + _T1}
+                marked.append(m)
+            text = render_chat(marked, c.chat_template, **kw)
+            # strip the sentinels, recording the [start, end) of each wrapped assistant content
             parts = _SENTINELS.split(text)
             seps = _SENTINELS.findall(text)
             spans, out, pos, start = [], [parts[0]], len(parts[0]), 0
             for sep, part in zip(seps, parts[1:]):
                 if sep == _S0:
                     start = pos
-                else:
+                elif sep == _S1:
                     spans.append((start, pos))
                 out.append(part)
                 pos += len(part)
-            if "".join(out) == plain and seps == [_S0, _S1] * len(spans):
+            assistant = [x for x in seps if x in (_S0, _S1)]
+            if "".join(out) == plain and assistant == [_S0, _S1] * len(spans):
                 break
         else:
             raise ValueError(
@@ -339,7 +374,7 @@ class Formatter:
             )
         if self.turn_end:
             spans = [(s, e + len(self.turn_end)) if plain.startswith(self.turn_end, e) else (s, e) for s, e in spans]
-        return plain, spans
+        return plain, spans, seps.count(_T0)
 
     # -- public --------------------------------------------------------------------------------
     def __call__(self, rec: dict, where: str, report: SkipReport) -> FormattedDoc | None:
@@ -366,9 +401,16 @@ class Formatter:
             if msgs is None:
                 return None
             try:
-                text, spans = self._render(msgs)
-            except Exception as e:  # template errors name the record
-                report.add("template_error", where, str(e))
+                text, spans, shown = self._render(msgs)
+            except Exception as e:  # template errors name the record, and say why
+                report.add("template_error", where, _reason(e))
+                return None
+            tools = [j for j, m in enumerate(msgs) if m["role"] in _TOOL_ROLES]
+            if shown != len(tools):  # the template drops (or repeats) tool results: the text would misstate them
+                role = msgs[tools[0]]["role"] if tools else "tool"
+                report.add("unsupported_role", where, f"the chat template shows {shown} of the {len(tools)} tool/"
+                           f"function results (first: message {tools[0] if tools else '-'}, role {role!r}); it "
+                           "does not support that role")
                 return None
             enc = self.tok.encode(text, add_special_tokens=False)
             ids = np.asarray(enc.ids, dtype=np.int64)

@@ -20,10 +20,13 @@ the P rejected ones, right-padded to the longest (``attention_mask``); ``chosen_
 arange(P)``, ``rejected_index = P + arange(P)`` index rows. Both layouts give the same per-pair
 log-probabilities (``ftlib.preference.pair_logps`` reads either).
 
-Loader order (``PairLoader``): the rules of ``ftlib.data.TokenLoader`` with a unit = a packed row
-(``packing=True``) or a pair: epoch e's order is ``default_rng([seed, e]).permutation``, cut into
-global steps of ``batch_size * world_size`` units, rank r taking its slice; ``drop_last`` keeps
-ranks in lock-step; ``state_dict()`` / ``load_state_dict()`` resume exactly.
+Loader (``PairLoader``): the front of the one loader core, ``ftlib.data.loader.UnitLoader``, with
+a unit = a packed row (``packing=True``) or a pair, so order, rank slicing, equal per-rank counts,
+resume and the DataLoader's own generator are exactly ``TokenLoader``'s. A filler (a rank with
+no unit in the short last step of ``drop_last=False``) is a copy of a unit whose tokens carry no
+label and whose pairs are named nowhere (``pair_ids`` etc. are empty for it): the rank runs a
+forward and backward like the others, and the loss, the reward statistics and
+``precompute_reference`` see no pair twice.
 
 Reward-margin filtering (``MarginFilter``), rejection sampling on scored pairs: per batch the
 margins are z-scored, ``z_i = (m_i - mean(m)) / std(m)`` over the batch's scored pairs, and pair
@@ -41,13 +44,16 @@ packed rows are compacted and trimmed, so they cost no compute.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
-from .collate import length_grouped_batches, pad_collate
+from .collate import doc_labels, pad_collate
+from .loader import UnitLoader, lengths_sha256
 from .packing import pack
 
-__all__ = ["collate_pairs_packed", "collate_pairs_padded", "select_pairs", "PairLoader", "MarginFilter"]
+__all__ = ["MarginFilter", "PairLoader", "collate_pairs_packed", "collate_pairs_padded", "select_pairs"]
 
 _PER_PAIR = ("pair_ids", "margin", "ref_chosen", "ref_rejected")
 
@@ -61,8 +67,11 @@ def _pair_extras(cache, pair_ids: np.ndarray) -> dict:
     return out
 
 
-def collate_pairs_packed(cache, plan, rows, pad_id: int) -> dict:
-    """Packed batch of the pairs in ``rows`` of ``plan`` (a ``PackPlan`` over pair footprints)."""
+def collate_pairs_packed(cache, plan, rows, pad_id: int, loss=None) -> dict:
+    """Packed batch of the pairs in ``rows`` of ``plan`` (a ``PackPlan`` over pair footprints).
+
+    ``loss``: optional per-row flags; a False row (a filler) keeps its tokens but gets no labels and
+    its pairs are left out of the bookkeeping (``pair_ids``, ``chosen_index``, ...)."""
     T, B = plan.seq_len, len(rows)
     ids = np.full((B, T), pad_id, dtype=np.int64)
     labels = np.full((B, T), -100, dtype=np.int64)
@@ -70,17 +79,19 @@ def collate_pairs_packed(cache, plan, rows, pad_id: int) -> dict:
     cu, pair_ids, chosen_idx, rejected_idx = [0], [], [], []
     for b, r in enumerate(rows):
         p = 0
+        real = loss is None or bool(loss[b])
         for d, _, _ in plan.row(int(r)):
-            pair_ids.append(d)
+            if real:
+                pair_ids.append(d)
             for side, where in (("chosen", chosen_idx), ("rejected", rejected_idx)):
-                tok, loss = cache.sequence(d, side)
+                tok, mask = cache.sequence(d, side)
                 n = len(tok)
                 ids[b, p : p + n] = tok
-                labels[b, p : p + n] = np.where(loss != 0, tok, -100)
-                labels[b, p] = -100  # first token of a segment: nothing in the segment predicts it
+                labels[b, p : p + n] = doc_labels(tok, mask, real)
                 pos[b, p : p + n] = np.arange(n)
                 p += n
-                where.append(len(cu) - 1)
+                if real:
+                    where.append(len(cu) - 1)
                 cu.append(b * T + p)
         if p < T:  # padding tail: its own segment
             pos[b, p:] = np.arange(T - p)
@@ -95,14 +106,18 @@ def collate_pairs_packed(cache, plan, rows, pad_id: int) -> dict:
 
 
 def collate_pairs_padded(cache, pair_ids, pad_id: int, *, pad_to_multiple_of: int | None = None,
-                         padding_side: str = "right") -> dict:
-    """Padded batch: chosen rows 0..P-1, rejected rows P..2P-1, padded to the longest of all 2P."""
+                         padding_side: str = "right", loss=None) -> dict:
+    """Padded batch: chosen rows 0..P-1, rejected rows P..2P-1, padded to the longest of all 2P.
+
+    ``loss``: optional per-pair flags; a False pair (a filler) keeps its two rows but gets no labels
+    and is left out of the bookkeeping (``pair_ids``, ``chosen_index``, ...)."""
     pair_ids = np.asarray(pair_ids, dtype=np.int64)
-    docs = [cache.sequence(int(d), "chosen") for d in pair_ids] + [cache.sequence(int(d), "rejected") for d in pair_ids]
+    real = np.ones(len(pair_ids), bool) if loss is None else np.asarray(loss, dtype=bool)
+    docs = [cache.sequence(int(d), side) for side in ("chosen", "rejected") for d in pair_ids]
+    docs = [(t, m if ok else np.zeros_like(m)) for (t, m), ok in zip(docs, np.tile(real, 2))]
     batch = pad_collate(docs, pad_id, pad_to_multiple_of=pad_to_multiple_of, padding_side=padding_side)
-    P = len(pair_ids)
-    return {**batch, "chosen_index": torch.arange(P), "rejected_index": torch.arange(P, 2 * P),
-            **_pair_extras(cache, pair_ids)}
+    P, keep = len(pair_ids), torch.from_numpy(np.flatnonzero(real))
+    return {**batch, "chosen_index": keep, "rejected_index": P + keep, **_pair_extras(cache, pair_ids[real])}
 
 
 def select_pairs(batch: dict, keep: torch.Tensor, pad_id: int = 0) -> dict:
@@ -151,28 +166,23 @@ def select_pairs(batch: dict, keep: torch.Tensor, pad_id: int = 0) -> dict:
     return {**batch, **out}
 
 
-class _PairSteps(torch.utils.data.Dataset):
-    def __init__(self, cache, steps, plan, opts):
-        self.cache, self.steps, self.plan, self.opts = cache, steps, plan, opts
-
-    def __len__(self):
-        return len(self.steps)
-
-    def __getitem__(self, k):
-        o = self.opts
-        if self.plan is not None:
-            return collate_pairs_packed(self.cache, self.plan, self.steps[k], o["pad_id"])
-        return collate_pairs_padded(self.cache, self.steps[k], o["pad_id"], pad_to_multiple_of=o["pad_to_multiple_of"],
-                                    padding_side=o["padding_side"])
+def _pair_batch(cache, plan, opts, units, real):
+    """A PairLoader batch: packed rows of ``plan``, or padded pairs (fillers without labels or bookkeeping)."""
+    if plan is not None:
+        return collate_pairs_packed(cache, plan, units, opts["pad_id"], loss=real)
+    return collate_pairs_padded(cache, units, opts["pad_id"], pad_to_multiple_of=opts["pad_to_multiple_of"],
+                                padding_side=opts["padding_side"], loss=real)
 
 
-class PairLoader:
-    """Iterable of pair batches over a ``PairCache`` (see the module docstring).
+class PairLoader(UnitLoader):
+    """Iterable of pair batches over a ``PairCache``: the ``UnitLoader`` front for pairs (see the module docstring).
 
     ``packing=True``: a unit is a packed row of ``seq_len`` tokens and ``batch_size`` counts rows;
     ``packing=False``: a unit is a pair, ``batch_size`` counts pairs (2 x batch_size padded rows),
-    optionally length-grouped. ``rank`` / ``world_size`` default to torch.distributed's.
+    optionally length-grouped (by the longer side). ``rank`` / ``world_size`` default to torch.distributed's.
     """
+
+    _kind = "pair loader"
 
     def __init__(self, cache, *, batch_size: int, pad_id: int, seq_len: int | None = None, packing: bool = True,
                  shuffle: bool = True, seed: int = 0, rank: int | None = None, world_size: int | None = None,
@@ -180,27 +190,15 @@ class PairLoader:
                  prefetch_factor: int | None = 2, group_by_length: bool = False, mega_batch_mult: int = 50,
                  pad_to_multiple_of: int | None = None, padding_side: str = "right", pack_backend: str | None = None,
                  multiprocessing_context=None):
-        if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
         if packing and not seq_len:
             raise ValueError("packing=True needs seq_len")
         if packing and group_by_length:
             raise ValueError("group_by_length applies to padded batches (packing=False)")
-        if group_by_length and not shuffle:
-            raise ValueError("group_by_length shuffles the pairs (random mega-batches); it cannot honour shuffle=False")
         if len(cache) == 0:
             raise ValueError(f"{cache.path}: the pair cache holds no pairs (see cache.report for skipped records)")
-        dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.rank = rank if rank is not None else (torch.distributed.get_rank() if dist else 0)
-        self.world_size = world_size if world_size is not None else (torch.distributed.get_world_size() if dist else 1)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} not in [0, world_size={self.world_size})")
-        self.cache, self.batch_size, self.seed, self.packing, self.seq_len = cache, batch_size, seed, packing, seq_len
-        self.shuffle, self.drop_last, self.group_by_length, self.mega_batch_mult = shuffle, drop_last, group_by_length, mega_batch_mult
-        self.num_workers, self.pin_memory, self.prefetch_factor = num_workers, pin_memory, prefetch_factor
-        self.multiprocessing_context = multiprocessing_context
+        self.cache, self.packing, self.seq_len = cache, packing, seq_len
         self.opts = {"pad_id": pad_id, "pad_to_multiple_of": pad_to_multiple_of, "padding_side": padding_side}
-        sc, sr = cache.side_lengths
+        sc, sr = (np.asarray(x, dtype=np.int64) for x in cache.side_lengths)
         self.footprint = sc + sr  # tokens of a pair in a packed row: 2 p + c + r
         self.plan = None
         if packing:
@@ -211,78 +209,21 @@ class PairLoader:
                     f"first: pair {int(over[0])}, {int(self.footprint[over[0]])} tokens); use seq_len >= "
                     f"{int(self.footprint.max())} (2 x the formatter's max_length is always enough)")
             self.plan = pack(self.footprint, seq_len, "truncate", pack_backend)
-        self.n_units = self.plan.n_rows if packing else len(cache)
-        G = batch_size * self.world_size
-        if drop_last and self.n_units < G:
-            what = "packed rows" if packing else "pairs"
-            raise ValueError(f"{self.n_units} {what} < one global batch of {G} (batch_size {batch_size} x world_size "
-                             f"{self.world_size}): with drop_last=True no batch would be yielded; lower batch_size "
-                             "or pass drop_last=False")
-        self.epoch, self.step = 0, 0
-        self._steps_cache: tuple[int, list] | None = None
+            unit_lengths = np.add.reduceat(self.plan.length, self.plan.row_ptr[:-1])
+        else:
+            unit_lengths = np.maximum(sc, sr)  # a padded pair costs two rows of its longer side
+        identity = {"n_pairs": len(cache), "n_tokens": int(self.footprint.sum()),
+                    "lengths_sha256": lengths_sha256(sc, sr), "packing": packing, "seq_len": seq_len}
+        super().__init__(functools.partial(_pair_batch, cache, self.plan, self.opts), unit_lengths,
+                         batch_size=batch_size, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
+                         drop_last=drop_last, group_by_length=group_by_length, mega_batch_mult=mega_batch_mult,
+                         num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
+                         multiprocessing_context=multiprocessing_context, identity=identity,
+                         what="packed rows" if packing else "pairs")
 
     @property
     def pack_stats(self):
         return None if self.plan is None else self.plan.stats
-
-    def rank_steps(self, epoch: int | None = None) -> list[np.ndarray]:
-        """Unit ids (rows or pairs) of each batch this rank yields in ``epoch`` (default: the current one)."""
-        epoch = self.epoch if epoch is None else epoch
-        if self._steps_cache is None or self._steps_cache[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            G, B, r = self.batch_size * self.world_size, self.batch_size, self.rank
-            if self.group_by_length:
-                steps = length_grouped_batches(np.maximum(*self.cache.side_lengths), G, rng, self.mega_batch_mult)
-            else:
-                order = rng.permutation(self.n_units) if self.shuffle else np.arange(self.n_units)
-                steps = [order[i : i + G] for i in range(0, self.n_units, G)]
-            if self.drop_last:
-                steps = [s for s in steps if len(s) == G]
-            mine = [s[r * B : (r + 1) * B] for s in steps]
-            self._steps_cache = (epoch, [m for m in mine if len(m)])
-        return self._steps_cache[1]
-
-    def __len__(self) -> int:
-        return len(self.rank_steps())
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.step = epoch, 0
-
-    def _identity(self) -> dict:
-        return {"seed": self.seed, "n_units": self.n_units, "n_pairs": len(self.cache),
-                "n_tokens": int(self.footprint.sum()), "batch_size": self.batch_size, "world_size": self.world_size,
-                "rank": self.rank, "packing": self.packing, "seq_len": self.seq_len, "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "group_by_length": self.group_by_length,
-                "mega_batch_mult": self.mega_batch_mult}
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step, **self._identity()}
-
-    def load_state_dict(self, state: dict) -> None:
-        bad = [f"{k!r}: saved {state[k]!r}, this loader has {v!r}"
-               for k, v in self._identity().items() if k in state and state[k] != v]
-        if bad:
-            raise ValueError(f"pair loader state mismatch on {'; '.join(bad)} (the data or its order would differ, "
-                             "so exact resume is impossible)")
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
-
-    def __iter__(self):
-        steps = self.rank_steps()
-        if self.step >= len(steps):
-            self.epoch, self.step = self.epoch + 1, 0
-            return
-        ds = _PairSteps(self.cache, steps, self.plan, self.opts)
-        kw = {}
-        if self.num_workers > 0:
-            kw = {"prefetch_factor": self.prefetch_factor, "multiprocessing_context": self.multiprocessing_context}
-        dl = torch.utils.data.DataLoader(ds, batch_size=None, sampler=range(self.step, len(steps)),
-                                         num_workers=self.num_workers, pin_memory=self.pin_memory, **kw)
-        for batch in dl:
-            self.step += 1  # counted before the user sees it: a checkpoint in the loop body resumes after it
-            yield batch
-        if self.step >= len(steps):
-            self.epoch, self.step = self.epoch + 1, 0
 
 
 class MarginFilter:

@@ -10,11 +10,12 @@ Files read (the layout ``transformers`` writes):
 - ``special_tokens_map.json``  special tokens, when tokenizer_config.json lacks them;
 - ``chat_template.jinja``      the template, in newer exports.
 
-Chat templates are untrusted code that came with a checkpoint, so they are
-rendered in jinja2's ``ImmutableSandboxedEnvironment`` with the helpers
-Hugging Face provides (``raise_exception``, ``strftime_now``, a ``tojson``
-filter that does not HTML-escape, ``loopcontrols`` and the ``{% generation %}``
-tag, which here only renders its body).
+Chat templates are untrusted code that came with a checkpoint, so
+``apply_chat_template`` renders them with ftlib's one chat renderer
+(``ftlib.data.render_chat``, defined in ``ftlib._jinja``): jinja2's
+``ImmutableSandboxedEnvironment`` with the helpers Hugging Face provides, bounded
+in time and size per render. ``render_chat_template(template, messages)`` is the
+deprecated spelling of ``render_chat(messages, template)``.
 
 ``resolve_model_dir`` maps a local directory or a hub repo id to a directory; a
 repo id is fetched by ``huggingface_hub.snapshot_download`` (config, weights
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
-from .._jinja import compile_template
+from .._jinja import render_chat
 
-__all__ = ["PretrainedTokenizer", "load_tokenizer", "resolve_model_dir", "render_chat_template"]
+__all__ = ["PretrainedTokenizer", "load_tokenizer", "render_chat_template", "resolve_model_dir"]
 
 _ALLOW = ["*.json", "*.safetensors", "*.jinja"]  # config, weights + index, tokenizer files, chat template
 _SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -81,8 +83,14 @@ def _token_text(value: Any, path: Path, key: str) -> str | None:
 
 def render_chat_template(template: str, messages: list[dict], *, add_generation_prompt: bool = False,
                          **variables: Any) -> str:
-    """Render a chat template (sandboxed) with ``messages`` and extra template variables."""
-    return compile_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+    """Deprecated: ``ftlib.data.render_chat(messages, template, ...)``, the one chat renderer (messages first).
+
+    Kept so existing code runs; it renders through ``render_chat``, so built-in names render and a
+    misspelled name is refused."""
+    warnings.warn("ftlib.models.render_chat_template(template, messages) is deprecated; use "
+                  "ftlib.data.render_chat(messages, template) (the one chat renderer, messages first) or "
+                  "tokenizer.apply_chat_template(messages)", DeprecationWarning, stacklevel=2)
+    return render_chat(messages, template, add_generation_prompt=add_generation_prompt, **variables)
 
 
 class PretrainedTokenizer:
@@ -94,7 +102,6 @@ class PretrainedTokenizer:
         self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
         self.chat_template = chat_template
         self.source = source
-        self._template = None
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.tokenizer.token_to_id(token)
@@ -115,15 +122,15 @@ class PretrainedTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, **variables: Any) -> str:
-        """Render ``messages`` ([{"role", "content"}, ...]) with the folder's chat template."""
+        """Render ``messages`` ([{"role", "content"}, ...]) with the folder's chat template.
+
+        ``ftlib.data.render_chat(messages, self.chat_template, ...)`` with this tokenizer's special
+        tokens as variables; ``max_seconds`` / ``max_chars`` set the rendering bounds."""
         if self.chat_template is None:
             raise ValueError(f"{self.source}: the tokenizer has no chat_template")
-        if self._template is None:
-            self._template = compile_template(self.chat_template)
         specials = {k: getattr(self, k) for k in _SPECIAL}
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **{**specials, **variables}
-        )
+        return render_chat(messages, self.chat_template, add_generation_prompt=add_generation_prompt,
+                           **{**specials, **variables})
 
 
 def load_tokenizer(path_or_repo_id: str | os.PathLike) -> PretrainedTokenizer:

@@ -331,3 +331,110 @@ def test_head_tail_settings_are_checked(tokenizer):
         FormatConfig(kind="text", truncation_sep="<sep>")
     with pytest.raises(ValueError, match="truncation_sep='<nope>' is not in the tokenizer vocabulary"):
         Formatter(tokenizer, FormatConfig(kind="text", eos_token="</s>", truncation="head_tail", truncation_sep="<nope>"))
+
+
+# ---- chat roles (unknown refused or counted; tool / function where the template shows them) -------
+def test_unknown_role_is_refused_in_strict_mode_and_counted_in_lenient_mode(tokenizer):
+    """A misspelled role ("usr") used to be rendered and trained as if it were a real turn."""
+    fmt = Formatter(tokenizer, FormatConfig(kind="chat", chat_template="chatml"))
+    rec = {"messages": [{"role": "usr", "content": "hello world"}, {"role": "assistant", "content": "hi there"}]}
+    with pytest.raises(DataError, match=r"f\.jsonl:7: unknown_role: message 0 has role 'usr', not one of system, "
+                                        r"user, assistant, tool, function \(FormatConfig.roles\)"):
+        fmt(rec, "f.jsonl:7", SkipReport())
+    report = SkipReport(strict=False)
+    assert fmt(rec, "f.jsonl:7", report) is None
+    assert report.counts == {"unknown_role": 1} and "message 0 has role 'usr'" in report.examples["unknown_role"][0]
+    # a role the data legitimately uses can be allowed explicitly
+    custom = Formatter(tokenizer, FormatConfig(kind="chat", chat_template="chatml", roles=("usr", "assistant")))
+    assert custom(rec, "f.jsonl:7", SkipReport()) is not None
+    with pytest.raises(ValueError, match="must include 'assistant'"):
+        FormatConfig(kind="chat", chat_template="chatml", roles=("user",))
+
+
+def test_tool_results_are_rendered_where_the_template_shows_them(tokenizer):
+    conv = [{"role": "user", "content": "why is the sky blue"}, {"role": "assistant", "content": "hello world"},
+            {"role": "tool", "content": "Rayleigh scattering"}, {"role": "assistant", "content": "because of it"}]
+    doc = Formatter(tokenizer, FormatConfig(kind="chat", chat_template="chatml"))({"messages": conv}, "x:1",
+                                                                                  SkipReport())
+    text = render_chat(conv, "chatml")
+    assert "<|im_start|>tool\nRayleigh scattering<|im_end|>" in text
+    assert tokenizer.decode(doc.input_ids.tolist(), skip_special_tokens=False) == text
+    loss = tokenizer.decode([i for i, m in zip(doc.input_ids.tolist(), doc.loss_mask) if m], skip_special_tokens=False)
+    assert loss == "hello world<|im_end|>because of it<|im_end|>"  # the tool result is context, not a target
+    # a template with only user / assistant branches would drop the tool result silently: refused instead
+    drops = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+             "{% elif m['role'] == 'assistant' %} {{ m['content'] }}</s>{% endif %}{% endfor %}")
+    fmt = Formatter(tokenizer, FormatConfig(kind="chat", chat_template=drops))
+    with pytest.raises(DataError, match=r"unsupported_role: the chat template shows 0 of the 1 tool/function "
+                                        r"results \(first: message 2, role 'tool'\)"):
+        fmt({"messages": conv}, "x:1", SkipReport())
+    report = SkipReport(strict=False)
+    assert fmt({"messages": conv}, "x:1", report) is None and report.counts == {"unsupported_role": 1}
+    assert fmt({"messages": [conv[0], conv[1]]}, "x:1", report) is not None  # without a tool turn: fine
+
+
+# ---- rendering bounds (time, size) and reasons ----------------------------------------------------
+LOOP_ON_DEMAND = ("{% if messages[0]['content'] == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}x"
+                  "{% endfor %}{% endfor %}{% endif %}"
+                  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+
+
+def test_a_looping_template_is_stopped_per_record_and_says_why(tokenizer):
+    cfg = FormatConfig(kind="chat", chat_template=LOOP_ON_DEMAND, template_max_seconds=0.3)
+    fmt = Formatter(tokenizer, cfg)
+    rec = {"messages": [{"role": "user", "content": "loop"}, {"role": "assistant", "content": "hi"}]}
+    with pytest.raises(DataError, match=r"f\.jsonl:3: template_error: TemplateLimitError: chat template rendering "
+                                        r"exceeded max_seconds=0\.3"):
+        fmt(rec, "f.jsonl:3", SkipReport())
+    report = SkipReport(strict=False)
+    assert fmt(rec, "f.jsonl:3", report) is None and report.counts == {"template_error": 1}
+    ok = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]}
+    assert fmt(ok, "f.jsonl:4", report) is not None
+    # a template that loops on every conversation is refused when the formatter is built
+    from ftlib.data import TemplateLimitError
+
+    forever = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + CUSTOM
+    with pytest.raises(TemplateLimitError, match="probe conversation: .*max_seconds=0.2"):
+        Formatter(tokenizer, FormatConfig(kind="chat", chat_template=forever, template_max_seconds=0.2))
+
+
+@pytest.mark.parametrize("template,what", [
+    ("{{ 'x' * 10**10 }}", r"'\*' would build 10000000000 characters"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "'~' would build 131072 characters"),
+    ("{% set s = 'x' * 60000 %}{{ ([s] * 100) | join }}", r"'\*' would build 6000100 characters"),
+    ("{{ 'x' | center(10**9) }}", "filter 'center': argument 1000000000 is over max_chars"),
+    ("{{ 'x'.ljust(10**9) }}", "argument 1000000000 is over max_chars"),
+    ("{{ '%0999999999d' % 1 }}", "format width 0999999999"),
+    ("{{ '{:>999999999}'.format(1) }}", "format width 999999999"),
+    ("{% set s = 'x' * 60000 %}{{ s.replace('x', 'yyyy') }}", "str.replace would build 240000 characters"),
+    ("{{ 10 ** 100000000 }}", r"'\*\*' would build an integer"),
+    ("{% for i in range(100) %}{{ 'x' * 5000 }}{% endfor %}", "output would build 105000 characters"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s %}{{ ns.s }}{{ ns.s }}{% endset %}"
+     "{% endfor %}", "'{% set %}' block would build 131072 characters"),
+    ("{% set ns = namespace(s=['ab']) %}{% for i in range(40) %}{% set ns.s = [ns.s, ns.s] %}{% endfor %}",
+     "'{% set %}' would build 1"),
+])
+def test_templates_cannot_build_huge_values(template, what):
+    """Each of these would allocate gigabytes (or run for minutes); refused before it allocates more
+    than a few times max_chars."""
+    from ftlib.data import TemplateLimitError
+
+    with pytest.raises(TemplateLimitError, match=what):
+        render_chat(CONV, template, max_chars=100_000)
+
+
+def test_a_template_error_always_says_why(tokenizer):
+    """A MemoryError has an empty message: the record's reason used to be empty."""
+    from ftlib.data import TemplateLimitError
+
+    def boom():
+        raise MemoryError
+
+    with pytest.raises(TemplateLimitError, match="chat template ran out of memory while rendering"):
+        render_chat(CONV, "{{ boom() }}", boom=boom)
+    tmpl = "{% if messages[0]['content'] == 'boom' %}{{ raise_exception('') }}{% endif %}" + CUSTOM
+    fmt = Formatter(tokenizer, FormatConfig(kind="chat", chat_template=tmpl))
+    report = SkipReport(strict=False)
+    fmt({"messages": [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "hi"}]}, "f:1", report)
+    assert report.examples["template_error"] == ["f:1: template_error: TemplateError"]

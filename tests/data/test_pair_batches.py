@@ -211,3 +211,98 @@ def test_margin_filter_on_a_real_pair_cache(tmp_path, tokenizer, write_jsonl):
         assert out["pair_ids"].tolist() == batch["pair_ids"][m > m.mean()].tolist()
         assert out["input_ids"].numel() <= batch["input_ids"].numel()
     assert f.counts["kept"] + f.counts["dropped"] == sum(len(b["pair_ids"]) for b in L) and f.counts["unscored"] == 0
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_pair_loader_ranks_yield_equal_counts_with_fillers(packing):
+    """9 units, batch 2, 4 ranks, drop_last=False: every rank yields 2 batches (a rank that stops early
+    leaves the others waiting in a collective); the short last step is split evenly and a rank without
+    a unit gets a filler that names no pair and carries no label; every pair is seen exactly once."""
+    pairs = FakePairs([(2, 3, 2)] * 9)  # footprint 9: with seq_len 9 one pair per packed row, 9 units
+    loaders = [PairLoader(pairs, batch_size=2, pad_id=0, seq_len=9, packing=packing, drop_last=False, rank=r,
+                          world_size=4, seed=0) for r in range(4)]
+    batches = [list(L) for L in loaders]
+    assert [len(b) for b in batches] == [len(L) for L in loaders] == [2, 2, 2, 2]
+    seen = [d for bs in batches for b in bs for d in b["pair_ids"].tolist()]
+    assert sorted(seen) == list(range(9))
+    last = [bs[-1] for bs in batches]
+    assert len(last[0]["pair_ids"]) == 1 and (last[0]["labels"] != -100).any()
+    for b in last[1:]:  # fillers: the tail's unit again, a forward's worth of tokens, nothing to learn
+        assert b["pair_ids"].numel() == b["chosen_index"].numel() == b["rejected_index"].numel() == 0
+        assert b["margin"].numel() == 0 and (b["labels"] == -100).all()
+        assert torch.equal(b["input_ids"], last[0]["input_ids"])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 30), st.integers(1, 3), st.integers(1, 5), st.booleans(), st.booleans())
+def test_pair_loader_ranks_stay_in_lock_step(n, batch_size, world, packing, drop_last):
+    """Invariants of the loader core through the pair front: equal batch counts on every rank, no empty
+    batch, no pair on two ranks, and with drop_last=False every pair exactly once."""
+    pairs = FakePairs([(i % 4 + 1, i % 3 + 1, i % 5 + 1) for i in range(n)])
+    kw = dict(batch_size=batch_size, pad_id=0, seq_len=20, packing=packing, drop_last=drop_last, seed=n)
+    n_units = pack(sum(pairs.side_lengths), 20, "truncate").n_rows if packing else n
+    if drop_last and n_units < batch_size * world:
+        with pytest.raises(ValueError, match="no batch would ever be yielded"):
+            PairLoader(pairs, rank=0, world_size=world, **kw)
+        return
+    per_rank = [list(PairLoader(pairs, rank=r, world_size=world, **kw)) for r in range(world)]
+    assert len({len(bs) for bs in per_rank}) == 1
+    assert all(b["input_ids"].numel() > 0 for bs in per_rank for b in bs)
+    seen = [d for bs in per_rank for b in bs for d in b["pair_ids"].tolist()]
+    assert len(seen) == len(set(seen))
+    if not drop_last:
+        assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parametrize("front", ["pairs", "tokens"])
+def test_starting_an_iteration_leaves_the_global_torch_rng_alone(front):
+    """The DataLoader gets its own generator: starting (or restarting, on resume) an epoch must not
+    draw from the global torch RNG, or every later dropout mask of the run shifts."""
+    from ftlib.data import TokenLoader
+
+    if front == "pairs":
+        loader = PairLoader(FakePairs([(2, 2, 2)] * 8), batch_size=2, pad_id=0, packing=False, seed=1)
+    else:
+        class Docs:
+            lengths = np.full(8, 5)
+
+            def __getitem__(self, i):
+                return np.arange(5) + 1, np.ones(5, np.uint8)
+
+        loader = TokenLoader(Docs(), batch_size=2, pad_id=0, packing=False, seed=1)
+    torch.manual_seed(0)
+    want = torch.rand(4)
+    torch.manual_seed(0)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    loader.load_state_dict(state)
+    next(iter(loader))  # a resumed iteration starts a second DataLoader
+    assert torch.equal(torch.rand(4), want)
+
+
+def test_data_exports_the_preference_pipeline():
+    """ftlib.data is the one place to import the data pipeline from, preference pairs included."""
+    import ftlib.data as data
+    from ftlib.data import pair_batches, pairs
+
+    for mod in (pairs, pair_batches):
+        for name in mod.__all__:
+            assert name in data.__all__ and getattr(data, name) is getattr(mod, name), name
+    assert data.__all__ == sorted(data.__all__) and len(set(data.__all__)) == len(data.__all__)
+    assert all(hasattr(data, name) for name in data.__all__)
+
+
+def test_data_modules_cross_only_through_public_names():
+    """No module of ftlib.data imports a private (_name) name from another ftlib module."""
+    import ast
+    from pathlib import Path
+
+    import ftlib.data
+
+    bad = []
+    for path in sorted(Path(ftlib.data.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("ftlib")):
+                bad += [f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_") and a.name != "__all__"]
+    assert not bad

@@ -6,6 +6,7 @@ import jinja2
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ftlib.data import render_chat
 from ftlib.models import load_tokenizer, render_chat_template
 
 TEMPLATE = (
@@ -62,9 +63,9 @@ def test_template_list_jinja_file_and_helpers(tmp_path):
 def test_template_is_sandboxed(tmp_path):
     # A template from a checkpoint must not reach Python internals nor mutate the caller's objects.
     with pytest.raises(jinja2.exceptions.SecurityError):
-        render_chat_template("{{ messages.__class__.__mro__ }}", [])
+        render_chat([], "{{ messages.__class__.__mro__ }}")
     with pytest.raises(jinja2.exceptions.SecurityError):
-        render_chat_template("{{ messages.append(1) }}", [])
+        render_chat([], "{{ messages.append(1) }}")
 
 
 def test_missing_tokenizer_json_and_bad_files(tmp_path):
@@ -84,3 +85,35 @@ def test_missing_tokenizer_json_and_bad_files(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ValueError, match="has no chat_template"):
         load_tokenizer(tmp_path).apply_chat_template([])
+
+
+MSGS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def test_one_chat_renderer_for_models_and_data(tmp_path):
+    """models.render_chat_template("chatml", ...) returned the string 'chatml' and passed a misspelled
+    name through, while data.render_chat rendered it and refused the misspelling: now every spelling is
+    the one renderer (render_chat_template deprecated, messages-first render_chat its replacement)."""
+    want = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
+    assert render_chat(MSGS, "chatml") == want
+    with pytest.warns(DeprecationWarning, match=r"use ftlib.data.render_chat\(messages, template\)"):
+        assert render_chat_template("chatml", MSGS) == want
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="did you mean 'chatml'"):
+        render_chat_template("chatmll", MSGS)
+    _write_tokenizer(tmp_path, config={"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE})
+    t = load_tokenizer(tmp_path)
+    assert t.apply_chat_template(MSGS, add_generation_prompt=True) == render_chat(
+        MSGS, TEMPLATE, add_generation_prompt=True, bos_token="<s>", eos_token="</s>", pad_token=None, unk_token=None)
+
+
+def test_apply_chat_template_is_bounded(tmp_path):
+    """A tokenizer's template is code from a checkpoint: it cannot loop for ever or fill the memory."""
+    from ftlib.data import TemplateLimitError
+
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages }}"
+    _write_tokenizer(tmp_path, config={"chat_template": loop})
+    with pytest.raises(TemplateLimitError, match=r"exceeded max_seconds=0\.2"):
+        load_tokenizer(tmp_path).apply_chat_template(MSGS, max_seconds=0.2)
+    _write_tokenizer(tmp_path, config={"chat_template": "{{ 'x' * 10**12 }}"})
+    with pytest.raises(TemplateLimitError, match="over max_chars=4000000"):
+        load_tokenizer(tmp_path).apply_chat_template(MSGS)
