@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .._atomic import atomic_write
+from .._fields import json_str
 from ._match import matches_any
 from .apply import _CONFIG_ATTR, _names_by_param, apply_lora, get_lora_config, lora_layers, plan_lora
 from .config import LoRAConfig
@@ -145,7 +146,8 @@ def load_adapter(
             path / "adapter_model.bin").exists() else ""
         raise FileNotFoundError(f"{wfile}: adapter weights not found{other}")
     if check_base:
-        want, have = d.get("base_model_name_or_path"), _model_name_or_path(model)
+        want = json_str(d, "base_model_name_or_path", str(path / ADAPTER_CONFIG), default=None, nullable=True)
+        have = _model_name_or_path(model)
         if want and have and not _same_base(want, have):
             msg = (f"{path / ADAPTER_CONFIG}: adapter was trained on base {want!r} but the model is {have!r} "
                    "(pass check_base=False to load anyway)")
