@@ -194,6 +194,7 @@ def load_adapter(
             # the base weights hold the current update: new adapter values would make unmerge wrong
             raise RuntimeError(f"load_adapter({path}): adapters are merged into the base weights "
                                f"({merged[0]}, ...); call ftlib.lora.unmerge_lora(model) first")
+        existing = get_lora_config(model)  # with the layers' current ranks (rank decay changes them)
         if not _same_targets(existing, cfg):
             raise ValueError(f"{path / ADAPTER_CONFIG}: config {d} differs from the model's adapter config {existing}")
         params = _adapter_params(model)
