@@ -116,9 +116,11 @@ def read_adapter_config(path: str | os.PathLike) -> dict[str, Any]:
     return d
 
 
-def _same_targets(a: LoRAConfig, b: LoRAConfig) -> bool:
+def _target_differences(model_cfg: LoRAConfig, file_cfg: LoRAConfig) -> list[str]:
+    """``"field: model's value -> file's value"`` for each setting that changes what the adapter computes."""
     keys = ("r", "alpha", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
+    return [f"{k}: {getattr(model_cfg, k)!r} -> {getattr(file_cfg, k)!r}" for k in keys
+            if getattr(model_cfg, k) != getattr(file_cfg, k)]
 
 
 def load_adapter(
@@ -195,8 +197,10 @@ def load_adapter(
             raise RuntimeError(f"load_adapter({path}): adapters are merged into the base weights "
                                f"({merged[0]}, ...); call ftlib.lora.unmerge_lora(model) first")
         existing = get_lora_config(model)  # with the layers' current ranks (rank decay changes them)
-        if not _same_targets(existing, cfg):
-            raise ValueError(f"{path / ADAPTER_CONFIG}: config {d} differs from the model's adapter config {existing}")
+        diff = _target_differences(existing, cfg)
+        if diff:
+            raise ValueError(f"{path / ADAPTER_CONFIG}: the adapter differs from the one the model has "
+                             f"(model -> file): {'; '.join(diff)}")
         params = _adapter_params(model)
         shapes = {k: tuple(p.shape) for k, p in params.items()}
         first: dict[int, str] = {}

@@ -74,3 +74,14 @@ def test_python_config_numbers_are_checked():
         LoRAConfig(alpha="16")
     with pytest.raises(ValueError, match="LoRAConfig.dropout must be a number"):
         LoRAConfig(dropout="0.1")
+
+
+def test_loading_into_a_differently_adapted_model_names_each_difference(tmp_path):
+    torch.manual_seed(0)
+    save_adapter(apply_lora(nn.Sequential(_Attn()), LoRAConfig(r=4, alpha=8, target_modules=["q_proj"])), tmp_path)
+    other = apply_lora(nn.Sequential(_Attn()), LoRAConfig(r=8, alpha=8, target_modules=["q_proj"], use_rslora=True))
+    with pytest.raises(ValueError) as e:
+        load_adapter(other, tmp_path)
+    msg = str(e.value)
+    assert str(tmp_path / "adapter_config.json") in msg
+    assert "r: 8 -> 4" in msg and "use_rslora: True -> False" in msg and "alpha" not in msg, msg
