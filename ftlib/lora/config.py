@@ -10,7 +10,9 @@ Targets follow PEFT's rules so an ``adapter_config.json`` means the same thing h
 with ``"." + entry``; as a string it is a regex that must match the full name
 (``re.fullmatch``); the string ``"all-linear"`` means every ``nn.Linear`` except the
 output head. ``rank_pattern`` / ``alpha_pattern`` map a pattern ``p`` to a value for
-modules whose name matches ``(.*\\.)?(p)$``, first matching pattern wins.
+modules whose name matches ``(.*\\.)?(p)$``, first matching pattern wins. ``from_peft_dict`` checks
+the JSON type and range of every field it reads (``"use_rslora": "false"`` or ``"modules_to_save":
+"lm_head"`` are refused, naming the file and the field).
 """
 
 from __future__ import annotations

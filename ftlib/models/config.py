@@ -15,7 +15,9 @@ attention, SwiGLU MLP) and differ only in a few switches:
 ``from_hf_dict`` accepts both the classic layout (``rope_theta`` +
 ``rope_scaling``) and the newer ``rope_parameters`` dict; ``to_hf_dict`` writes
 the classic layout plus ``rope_parameters`` so both old and new readers load it.
-Keys ftlib does not use are kept in ``extra`` and written back unchanged.
+Keys ftlib does not use are kept in ``extra`` and written back unchanged. Every key it reads is
+checked for its JSON type and range first (``"tie_word_embeddings": "false"`` is refused, not read
+as True), with an error naming the file, the field, what was expected and what was found.
 
 Reference: the ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` classes of
 Hugging Face transformers and their published ``config.json`` files.
