@@ -45,8 +45,9 @@ warm-up steps; ``tok/CPU-s`` divides by the process's CPU time instead (steadier
 machine). Peak memory: the process's peak RSS on CPU (ru_maxrss: weights, framework,
 activations, allocator caching), ``torch.cuda.max_memory_allocated`` on GPU. Held-out loss: mean
 token cross-entropy on 200 held-out documents, each scored without seeing another. On GPU,
-TFLOP/s counts the useful FLOPs of each step (``step_flops``) and MFU divides by the device's
-dense bf16 peak.
+TFLOP/s counts the model FLOPs of each step (``step_flops``: ``ftlib.metrics.FlopsModel``, PaLM's
+convention, the count ``MetricsLogger`` reports in training) and MFU divides by the device's dense bf16
+peak (``ftlib.metrics.PEAK_TFLOPS``, the most specific name matching the device, or ``--peak-tflops``).
 
 Rows go to ``<out>/train.csv``; the last line printed is machine-readable:
 ``speedup_vs_best=X speedup_vs_pad=Y peak_memory_ratio=Z heldout_loss_rel_diff=W`` (ftlib eager
@@ -60,6 +61,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import json
 import math
 import os
@@ -173,38 +175,44 @@ def doc_lengths(batch) -> list[int]:
     return [e - s for s, e in zip(cu, cu[1:]) if e > s and int(flat[s]) != 0]
 
 
-def step_flops(shape: dict, vocab: int, lens: list[int], n_target: int, r: int = LORA["r"]) -> float:
-    """Useful FLOPs of one LoRA training step on these documents (padding and cross-document
-    attention not counted): frozen linear layers forward + input gradient (2 x 2 FLOPs per weight
-    and token), adapters forward + both gradients (3 x 2 per adapter weight), the head on target
-    tokens forward + input gradient, causal attention (QK^T and PV over L(L+1)/2 pairs, backward
-    2.5x the forward)."""
-    h, i, n_layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    hq, hkv = shape["num_attention_heads"], shape["num_key_value_heads"]
-    d = h // hq
-    outs = [hq * d, hkv * d, hkv * d, h, i, i, h]  # q k v o gate up down
-    ins = [h, h, h, hq * d, h, h, i]
-    base = sum(o * n for o, n in zip(outs, ins))
-    lora = sum((o + n) * r for o, n in zip(outs, ins))
-    tokens = sum(lens)
+@functools.cache
+def _flops_model(shape_items: tuple, vocab: int):
+    import torch
+
+    from ftlib.lora import LoRAConfig, apply_lora
+    from ftlib.metrics import FlopsModel
+    from ftlib.models import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, max_position_embeddings=4096, **dict(shape_items)))
+        for p in model.parameters():
+            p.requires_grad_(False)
+        apply_lora(model, LoRAConfig(target_modules="all-linear", **LORA), verbose=False)
+    return FlopsModel.from_model(model)
+
+
+def flops_model(shape: dict, vocab: int):
+    """``ftlib.metrics.FlopsModel`` of the job's model with its adapters (the count ``MetricsLogger`` uses)."""
+    return _flops_model(tuple(sorted(shape.items())), vocab)
+
+
+def step_flops(shape: dict, vocab: int, lens: list[int], n_target: int) -> float:
+    """Model FLOPs of one LoRA training step on documents of ``lens`` tokens with ``n_target`` targets:
+    ``FlopsModel.flops`` (PaLM's convention; padding and cross-document attention not counted)."""
     pairs = sum(n * (n + 1) // 2 for n in lens)
-    return (n_layers * (4.0 * base + 6.0 * lora) * tokens + 4.0 * vocab * h * n_target
-            + n_layers * 3.5 * 4.0 * pairs * hq * d)
-
-
-_PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 125.0, "L4": 121.0}
+    return flops_model(shape, vocab).flops(sum(lens), n_target, pairs)
 
 
 def device_peak_tflops(args) -> float | None:
-    """Dense bf16 peak of the GPU from its name (spec sheets), or --peak-tflops."""
+    """Dense bf16 peak of the GPU (``ftlib.metrics.PEAK_TFLOPS``, most specific name), or --peak-tflops."""
     if args.peak_tflops:
         return args.peak_tflops
     if args.device != "cuda":
         return None
-    import torch
+    from ftlib.metrics import device_peak_flops
 
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in _PEAK_BF16_TFLOPS.items() if k in name), None)
+    peak = device_peak_flops("cuda", "bf16")
+    return None if peak is None else peak / 1e12
 
 
 def pad_batch(docs, pad_id=0):
@@ -272,7 +280,7 @@ def _train(spec, batches, step_fn, n_real):
         "steps": steps, "tokens": seen, "timed_tokens": timed_tokens, "timed_s": elapsed,
         "tokens_per_s": timed_tokens / elapsed if elapsed > 0 else float("nan"),
         "tokens_per_cpu_s": timed_tokens / cpu if cpu > 0 else float("nan"),  # CPU time of all threads
-        "tflops": flops / elapsed / 1e12 if elapsed > 0 else float("nan"),  # useful FLOPs (step_flops)
+        "tflops": flops / elapsed / 1e12 if elapsed > 0 else float("nan"),  # model FLOPs (step_flops)
         "train_loss": sum(s for s, _ in tail) / max(1, sum(n for _, n in tail)),
         "peak_mb": _peak_memory_mb(device),
     }

@@ -63,13 +63,15 @@ __all__ = [
     "TokenStats",
     "device_peak_flops",
     "peak_memory_bytes",
+    "peak_tflops_for",
     "plot_metrics",
     "read_metrics",
 ]
 
-# Dense peak TFLOP/s per GPU from NVIDIA's datasheets (sparsity figures halved). Matched as a
-# substring of torch.cuda.get_device_name(), first match wins: keep the specific names first.
-# "fp32" is the plain (non-tensor-core) rate, what fp32 matmuls get unless TF32 is allowed.
+# Dense peak TFLOP/s per GPU from NVIDIA's datasheets (sparsity figures halved). A key matches as a
+# substring of torch.cuda.get_device_name(); of several matching keys the longest (most specific)
+# wins, whatever the order here ("NVIDIA H100 NVL" is the NVL, not the SXM "H100"; "NVIDIA L40S" is
+# not the "L4"). "fp32" is the plain (non-tensor-core) rate, what fp32 matmuls get unless TF32 is on.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
     "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
@@ -78,8 +80,24 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM5
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
     "L40S": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10G": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},  # the A10 datasheet's figures
     "4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},  # tensor cores with fp32 accumulation
 }
+_PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
+
+
+def peak_tflops_for(device_name: str, precision: str = "bf16") -> float | None:
+    """Dense peak TFLOP/s of the GPU called ``device_name`` (as ``torch.cuda.get_device_name`` says it)
+    for ``precision`` (bf16, fp16, tf32, fp32), or None when the table has no entry for it.
+
+    The most specific entry wins: the longest key contained in the name (case-insensitive).
+    """
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(_PRECISIONS)}, got {precision!r}")
+    name = device_name.lower()
+    keys = [k for k in PEAK_TFLOPS if k.lower() in name]
+    return PEAK_TFLOPS[max(keys, key=len)][precision] if keys else None
 
 
 def device_peak_flops(device: torch.device | str | None = None, precision: str = "bf16") -> float | None:
@@ -101,11 +119,8 @@ def device_peak_flops(device: torch.device | str | None = None, precision: str =
         raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
     if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
         precision = "tf32"
-    name = torch.cuda.get_device_name(device)
-    for key, peaks in PEAK_TFLOPS.items():
-        if key.lower() in name.lower():
-            return peaks[precision] * 1e12
-    return None
+    peak = peak_tflops_for(torch.cuda.get_device_name(device), precision)
+    return None if peak is None else peak * 1e12
 
 
 def peak_memory_bytes(device: torch.device | str | None = None) -> int:

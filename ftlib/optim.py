@@ -39,7 +39,9 @@ losses), so K must exceed it; the default (10 of 100) does. Parameter dtypes are
 fallback changes the autocast dtype only. ``precision="auto"`` picks bf16 on a GPU with native bf16
 (Ampere and later) and on CPU, else fp16 with fallback to fp32 (e.g. V100, T4).
 
-Non-finite gradients (any precision): the step is skipped and counted. The check covers every
+Non-finite gradients (any precision): the step is skipped and counted. So is a window without a
+target token on any rank (every label -100): stepping there would move the weights through
+momentum and weight decay alone. The check covers every
 gradient the optimizer steps, whatever the clipper: it is the global norm before clipping (over
 every shard, so every rank skips together), taken from the clipper's ``norm_before`` when the
 clipper declares ``reports_global_norm`` (every ftlib clipper; AGC's ``exclude`` and per-layer
@@ -203,14 +205,15 @@ def make_adamw(
 class StepResult:
     """What one ``TrainOptimizer.step()`` did (plain Python values, ready to log)."""
 
-    skipped: bool  # gradients were non-finite: no update
-    loss: float  # mean token loss over the window, all ranks
+    skipped: bool  # no update: gradients were non-finite, or the window had no target token
+    loss: float  # mean token loss over the window, all ranks (NaN when it had no target token)
     num_tokens: int  # target tokens in the window, all ranks
     grad_norm: float  # global gradient norm before clipping (after normalisation)
     loss_scale: float | None  # fp16 loss scale after this step's update
     clip: dict[str, float] | None  # the clipper's stats
     nan_source: str | None  # NanTrace's finding when the step was skipped
     precision: str | None = None  # the precision of the next step (changes once on an fp16 fallback)
+    skip_reason: str | None = None  # "non-finite gradients" or "no target tokens" when skipped
 
 
 class TrainOptimizer:
@@ -285,7 +288,7 @@ class TrainOptimizer:
             else:
                 self.scaler = torch.amp.GradScaler(self.device_type, **kw)
         self.steps = 0  # updates applied
-        self.skipped_steps = 0  # windows skipped for non-finite gradients
+        self.skipped_steps = 0  # windows skipped: non-finite gradients or no target token
         self._reset_window()
 
     # -- precision fallback ---------------------------------------------------------------
@@ -448,11 +451,22 @@ class TrainOptimizer:
         self._prepared = True
 
     def step(self, clipper=None) -> StepResult:
-        """Normalise, clip (``clipper(named_params)``), update unless non-finite, zero grads."""
+        """Normalise, clip (``clipper(named_params)``), update unless skipped, zero grads.
+
+        A window is skipped (no update, counted in ``skipped_steps``, ``StepResult.skip_reason``
+        says why) when its gradients are non-finite, or when it has no target token on any rank:
+        an optimizer step there would still move the weights (momentum, weight decay) without a
+        loss to follow, and its loss is undefined (``StepResult.loss`` is NaN). Only non-finite
+        windows count towards the fp16 fallback, and the clipper is not called on an empty window
+        (a clipper with a norm history would absorb its zero gradient norm).
+        """
         self.prepare_grads()
         named = self._params()
         params = [p for _, p in named]
-        if clipper is not None and getattr(clipper, "reports_global_norm", False):
+        empty = float(self._totals[0]) == 0.0  # all ranks agree: the count is all-reduced
+        if empty:
+            norm, clip = grad_norm(params), None
+        elif clipper is not None and getattr(clipper, "reports_global_norm", False):
             clip = clipper([(n, p) if n is not None else p for n, p in named])
             norm = clip.norm_before  # the norm of every gradient it was given: all of them
         else:
@@ -460,7 +474,9 @@ class TrainOptimizer:
             clip = clipper([(n, p) if n is not None else p for n, p in named]) if clipper is not None else None
         totals = self._totals
         tokens, loss_sum, norm_v = torch.cat([totals.double().cpu(), norm.double().reshape(1).cpu()]).tolist()
-        skipped = not math.isfinite(norm_v)
+        non_finite = not math.isfinite(norm_v)
+        skipped = non_finite or empty
+        skip_reason = "non-finite gradients" if non_finite else "no target tokens" if empty else None
         if skipped:
             self.skipped_steps += 1
         elif self.scaler is not None:
@@ -471,25 +487,26 @@ class TrainOptimizer:
             self.steps += 1
         scale = None
         if self.scaler is not None:
-            self.scaler.update()
+            self.scaler.update()  # closes the scaler's iteration (unscale_ ran in prepare_grads)
             scale = float(self.scaler.get_scale())
-        if skipped:
+        if non_finite:
             self._note_skip(self.steps + self.skipped_steps - 1)
         nan_source = None
         if self.nan_trace is not None:
-            nan_source = self.nan_trace.first if skipped else None
+            nan_source = self.nan_trace.first if non_finite else None
             self.nan_trace.reset()
         self.optimizer.zero_grad(set_to_none=True)
         self._reset_window()
         return StepResult(
             skipped=skipped,
-            loss=loss_sum / max(tokens, 1.0),
+            loss=loss_sum / tokens if tokens > 0 else float("nan"),
             num_tokens=int(round(tokens)),
             grad_norm=norm_v,
             loss_scale=scale,
             clip=clip.to_dict() if clip is not None else None,
             nan_source=nan_source,
             precision=self.precision,
+            skip_reason=skip_reason,
         )
 
     def zero_grad(self) -> None:

@@ -184,6 +184,55 @@ def test_device_peak_table(monkeypatch):
     assert peak_memory_bytes("cpu") > 2**20
 
 
+PEAK_NAMES = [("NVIDIA H100 NVL", 835.5), ("NVIDIA H100 PCIe", 756.5), ("NVIDIA H100 80GB HBM3", 989.4),
+              ("NVIDIA H200 NVL", 835.5), ("NVIDIA L40S", 362.05), ("NVIDIA L4", 121.0), ("NVIDIA A10G", 125.0)]
+
+
+def test_peak_lookup_the_most_specific_name_wins(monkeypatch):
+    from ftlib import metrics
+
+    for table in (dict(metrics.PEAK_TFLOPS), dict(reversed(metrics.PEAK_TFLOPS.items()))):  # order plays no part
+        monkeypatch.setattr(metrics, "PEAK_TFLOPS", table)
+        for name, want in PEAK_NAMES:
+            assert metrics.peak_tflops_for(name, "bf16") == want, name
+            assert metrics.peak_tflops_for(name.lower(), "bf16") == want, name
+    assert metrics.peak_tflops_for("Tesla T4") is None
+    with pytest.raises(ValueError, match="precision"):
+        metrics.peak_tflops_for("NVIDIA H100", "int8")
+
+
+def _bench_train():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
+    spec = importlib.util.spec_from_file_location("bench_train_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("gpu_1b", [False, True], ids=["cpu-shape", "llama-3.2-1b-shape"])
+def test_bench_train_mfu_uses_ftlib_flops_and_peaks(monkeypatch, gpu_1b):
+    """The benchmark's MFU is ftlib.metrics' (one FLOPs model, one peak table), not a copy of its own."""
+    bench = _bench_train()
+    shape, vocab = bench.model_shape({"gpu_1b": gpu_1b}), 8192
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, **shape))
+        model.requires_grad_(False)
+        apply_lora(model, LoRAConfig(target_modules="all-linear", **bench.LORA), verbose=False)
+    fm = FlopsModel.from_model(model)
+    for lens, targets in (([2048], 2048), ([2048], 1536), ([100, 7, 900], 700)):
+        pairs = sum(n * (n + 1) // 2 for n in lens)
+        assert bench.step_flops(shape, vocab, lens, targets) == pytest.approx(fm.flops(sum(lens), targets, pairs),
+                                                                              rel=1e-12), lens
+    args = type("Args", (), {"peak_tflops": None, "device": "cuda"})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, want in PEAK_NAMES:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=name: n)
+        assert bench.device_peak_tflops(args) == pytest.approx(want), name
+
+
 def test_plot_metrics_writes_a_png_and_needs_matplotlib(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     path = tmp_path / "m.jsonl"

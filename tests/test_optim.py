@@ -1,6 +1,7 @@
 """Optimizer wrapper: accumulation invariance, fp16 loss scaling, NaN trace, groups, state."""
 
 import copy
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,37 @@ def test_non_finite_grads_skip_and_count(precision):
     assert result.skipped and opt.skipped_steps == 1 and opt.steps == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())  # the window is closed
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_window_without_target_tokens_skips_and_counts(precision):
+    """A window whose labels are all -100 after a real step: AdamW's momentum and weight decay
+    would still move every weight; the window is skipped and counted, its loss is undefined."""
+    model = TinyLM()
+    opt = TrainOptimizer(make_adamw(param_groups(model, lr=1e-2, weight_decay=0.1), lr=1e-2), precision=precision,
+                         init_scale=16.0)
+    clipper = ZScoreClipper(warmup=1)
+    _one_backward(model, opt)
+    assert not opt.step(clipper).skipped  # a real step: the optimizer now has momentum
+    calls, scale = clipper.step, opt.scaler.get_scale() if opt.scaler is not None else None
+    before = [p.detach().clone() for p in model.parameters()]
+    input_ids, labels = collate(make_sequences(1, 3))
+    with opt.autocast():
+        logits = model(input_ids)
+    opt.backward(*cross_entropy_sum(logits, torch.full_like(labels, -100)))
+    result = opt.step(clipper)
+    assert result.skipped and result.skip_reason == "no target tokens" and result.num_tokens == 0
+    assert result.loss != result.loss  # NaN, not 0.0
+    assert (opt.steps, opt.skipped_steps) == (1, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "an empty window moved the weights"
+    assert clipper.step == calls  # the clipper's norm history did not absorb the empty window
+    assert all(p.grad is None for p in model.parameters())
+    if opt.scaler is not None:
+        assert opt.scaler.get_scale() == scale and opt._skip_calls == deque()  # not an overflow
+    _one_backward(model, opt, seed=2)  # the next real window steps as usual
+    after = opt.step(clipper)
+    assert not after.skipped and after.skip_reason is None and opt.steps == 2
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 class PlantForwardNaN(nn.Module):

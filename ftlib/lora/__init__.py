@@ -5,6 +5,7 @@ Typical use::
     from ftlib.lora import LoRAConfig, apply_lora, trainable_params, save_adapter
     apply_lora(model, LoRAConfig(r=16, alpha=32, target_modules="all-linear", quantize="nf4"))
     opt = torch.optim.AdamW(trainable_params(model).values(), lr=2e-4)
+    # LoRA+ (lora_B at 16x the learning rate): ftlib.optim.param_groups(model, lr=2e-4, lora_plus_ratio=16)
     ...
     save_adapter(model, "out/adapter")   # loads with peft.PeftModel.from_pretrained
 """
@@ -16,7 +17,6 @@ from .apply import (
     disable_adapters,
     get_lora_config,
     lora_layers,
-    lora_plus_param_groups,
     merge_and_unload,
     merge_lora,
     plan_lora,
@@ -51,7 +51,6 @@ __all__ = [
     "get_lora_config",
     "load_adapter",
     "lora_layers",
-    "lora_plus_param_groups",
     "merge_and_unload",
     "merge_lora",
     "plan_lora",

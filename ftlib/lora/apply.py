@@ -17,7 +17,8 @@ outputs; ftlib's merged model computes what the adapted one did). ``unmerge_lora
 so ``save_pretrained`` keeps it.
 
 LoRA+ (Hayou et al., arXiv:2402.12354) trains B with a learning rate ``ratio`` times
-that of A (ratio ~ 16); :func:`lora_plus_param_groups` returns the optimizer groups.
+that of A (ratio ~ 16): ``ftlib.optim.param_groups(model, lr=..., lora_plus_ratio=16)`` returns
+the optimizer groups (the one place parameter groups are built).
 
 ``disable_adapters(model)`` runs the base model with no copy of any weight (the DPO
 reference model at zero memory cost). Modules in ``modules_to_save`` are trained in
@@ -28,10 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -48,7 +49,6 @@ __all__ = [
     "disable_adapters",
     "get_lora_config",
     "lora_layers",
-    "lora_plus_param_groups",
     "merge_and_unload",
     "merge_lora",
     "plan_lora",
@@ -108,11 +108,24 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
 
 
 def get_lora_config(model: nn.Module) -> LoRAConfig:
-    """The config ``apply_lora`` used on ``model``; raises if the model has no adapters."""
+    """The config of ``model``'s adapters, as its layers are now; raises if the model has no adapters.
+
+    That is the config ``apply_lora`` used, unless a layer's rank or alpha changed since (rank decay,
+    ``shrink_lora``): then ``rank_pattern`` / ``alpha_pattern`` hold one escaped full module name per
+    layer that differs from ``r`` / ``alpha`` and no other pattern (PEFT and ftlib take the first
+    matching pattern, and adapter_config.json is written with sorted keys, so a general user pattern
+    could otherwise come first and shadow a changed layer). ``save_adapter`` writes this config, so
+    the file describes the tensors beside it.
+    """
     cfg = getattr(model, _CONFIG_ATTR, None)
     if cfg is None:
         raise ValueError("model has no LoRA adapters: call ftlib.lora.apply_lora(model, config) first")
-    return cfg
+    layers = list(lora_layers(model))
+    if all(layer.r == cfg.rank_for(name) and layer.alpha == float(cfg.alpha_for(name)) for name, layer in layers):
+        return cfg
+    ranks = {re.escape(name): layer.r for name, layer in layers if layer.r != cfg.r}
+    alphas = {re.escape(name): layer.alpha for name, layer in layers if layer.alpha != float(cfg.alpha)}
+    return cfg.replace(rank_pattern=ranks, alpha_pattern=alphas)
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -375,20 +388,3 @@ def _untie_config(model: nn.Module, who: str) -> None:
     if pair is not None and pair[0] is not pair[1]:
         log.info("%s: the output head no longer shares the embedding's weight; config.tie_word_embeddings=False", who)
         cfg.tie_word_embeddings = False
-
-
-def lora_plus_param_groups(
-    model: nn.Module, lr: float, ratio: float = 16.0, weight_decay: float = 0.0
-) -> list[dict[str, Any]]:
-    """Optimizer parameter groups for LoRA+ (Hayou et al. 2024): ``lora_B`` at ``lr * ratio``.
-
-    A shorthand for ``ftlib.optim.param_groups(model, lr=lr, weight_decay=weight_decay,
-    lora_plus_ratio=ratio)``: every trainable parameter once; no weight decay for DoRA
-    magnitudes, biases and norms; each group lists its ``param_names``. Pass the list to any
-    ``torch.optim`` optimizer.
-    """
-    from ftlib.optim import param_groups
-
-    if not lr > 0:
-        raise ValueError(f"lora_plus_param_groups: lr must be > 0, got {lr}")
-    return param_groups(model, lr=lr, weight_decay=weight_decay, lora_plus_ratio=ratio)

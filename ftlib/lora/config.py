@@ -10,7 +10,9 @@ Targets follow PEFT's rules so an ``adapter_config.json`` means the same thing h
 with ``"." + entry``; as a string it is a regex that must match the full name
 (``re.fullmatch``); the string ``"all-linear"`` means every ``nn.Linear`` except the
 output head. ``rank_pattern`` / ``alpha_pattern`` map a pattern ``p`` to a value for
-modules whose name matches ``(.*\\.)?(p)$``, first matching pattern wins.
+modules whose name matches ``(.*\\.)?(p)$``, first matching pattern wins. ``from_peft_dict`` checks
+the JSON type and range of every field it reads (``"use_rslora": "false"`` or ``"modules_to_save":
+"lm_head"`` are refused, naming the file and the field).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._fields import json_bool, json_dict, json_float, json_int, json_str, json_str_list
 from ._match import pattern_value
 
 __all__ = ["LoRAConfig"]
@@ -104,6 +107,10 @@ class LoRAConfig:
         for pat, rv in self.rank_pattern.items():
             if not isinstance(rv, int) or isinstance(rv, bool) or rv <= 0:
                 raise ValueError(f"LoRAConfig.rank_pattern[{pat!r}] must be a positive integer, got {rv!r}")
+        for name in ("alpha", "dropout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"LoRAConfig.{name} must be a number, got {v!r} ({type(v).__name__})")
         if not self.alpha > 0:
             raise ValueError(f"LoRAConfig.alpha must be > 0, got {self.alpha!r}")
         if not 0.0 <= self.dropout < 1.0:
@@ -157,10 +164,12 @@ class LoRAConfig:
     @classmethod
     def from_peft_dict(cls, d: dict[str, Any], source: str = "adapter_config.json", **overrides: Any) -> LoRAConfig:
         """Build a config from PEFT's ``adapter_config.json`` content; unsupported features raise."""
-        if d.get("peft_type", "LORA") != "LORA":
-            raise ValueError(f"{source}: peft_type is {d.get('peft_type')!r}; ftlib loads LORA adapters only")
-        if d.get("bias", "none") != "none":
-            raise ValueError(f"{source}: bias={d['bias']!r} is not supported (only 'none')")
+        peft_type = json_str(d, "peft_type", source, default="LORA")
+        if peft_type != "LORA":
+            raise ValueError(f"{source}: peft_type is {peft_type!r}; ftlib loads LORA adapters only")
+        bias = json_str(d, "bias", source, default="none")
+        if bias != "none":
+            raise ValueError(f"{source}: bias={bias!r} is not supported (only 'none')")
         for key, value in d.items():
             if key in _PEFT_FIELDS or key in _PEFT_METADATA or key in _PEFT_ANY:
                 continue
@@ -173,10 +182,10 @@ class LoRAConfig:
                 continue  # a field of a newer PEFT, switched off
             raise ValueError(f"{source}: field {key!r}={value!r} is not one ftlib implements; it reads "
                              f"{', '.join(_PEFT_FIELDS)} (and metadata {', '.join(_PEFT_METADATA)})")
-        for key in ("r", "lora_alpha", "target_modules"):
-            if d.get(key) is None:
-                raise ValueError(f"{source}: missing field {key!r}")
         init = d.get("init_lora_weights", True)
+        if not isinstance(init, (bool, str)):
+            raise ValueError(f"{source}: field 'init_lora_weights' must be a boolean or a string, "
+                             f"got {init!r} ({type(init).__name__})")
         if init not in (True, False, "gaussian"):
             # PiSSA / OLoRA / LoftQ / CorDA ... rewrite the base weights at init: the adapter only fits that
             # modified base unless PEFT converted it (which saves init_lora_weights=True)
@@ -185,13 +194,21 @@ class LoRAConfig:
                 "save_pretrained(path_initial_model_for_weight_conversion=...) before loading it on the original base"
             )
         kw = dict(
-            r=d["r"], alpha=d["lora_alpha"], dropout=d.get("lora_dropout") or 0.0,
-            target_modules=d["target_modules"], exclude_modules=d.get("exclude_modules"),
-            rank_pattern=d.get("rank_pattern") or {}, alpha_pattern=d.get("alpha_pattern") or {},
-            use_rslora=bool(d.get("use_rslora", False)), use_dora=bool(d.get("use_dora", False)),
+            r=json_int(d, "r", source, min=1),
+            alpha=json_float(d, "lora_alpha", source, min=0, min_open=True),
+            dropout=json_float(d, "lora_dropout", source, default=0.0, nullable=True, min=0, max=1,
+                               max_open=True) or 0.0,
+            target_modules=json_str_list(d, "target_modules", source, or_str=True),
+            exclude_modules=json_str_list(d, "exclude_modules", source, default=None, nullable=True, or_str=True),
+            rank_pattern=json_dict(d, "rank_pattern", source, default=None, nullable=True, values="int",
+                                   above=0) or {},
+            alpha_pattern=json_dict(d, "alpha_pattern", source, default=None, nullable=True, values="number",
+                                    above=0) or {},
+            use_rslora=json_bool(d, "use_rslora", source, default=False),
+            use_dora=json_bool(d, "use_dora", source, default=False),
             init="gaussian" if init == "gaussian" else "kaiming",
-            modules_to_save=d.get("modules_to_save") or [],
-            ensure_weight_tying=bool(d.get("ensure_weight_tying", False)),
+            modules_to_save=json_str_list(d, "modules_to_save", source, default=None, nullable=True) or [],
+            ensure_weight_tying=json_bool(d, "ensure_weight_tying", source, default=False),
         )
         kw.update(overrides)
         try:

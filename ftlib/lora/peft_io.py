@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .._atomic import atomic_write
+from .._fields import json_str
 from ._match import matches_any
 from .apply import _CONFIG_ATTR, _names_by_param, apply_lora, get_lora_config, lora_layers, plan_lora
 from .config import LoRAConfig
@@ -115,9 +116,11 @@ def read_adapter_config(path: str | os.PathLike) -> dict[str, Any]:
     return d
 
 
-def _same_targets(a: LoRAConfig, b: LoRAConfig) -> bool:
+def _target_differences(model_cfg: LoRAConfig, file_cfg: LoRAConfig) -> list[str]:
+    """``"field: model's value -> file's value"`` for each setting that changes what the adapter computes."""
     keys = ("r", "alpha", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
+    return [f"{k}: {getattr(model_cfg, k)!r} -> {getattr(file_cfg, k)!r}" for k in keys
+            if getattr(model_cfg, k) != getattr(file_cfg, k)]
 
 
 def load_adapter(
@@ -145,7 +148,8 @@ def load_adapter(
             path / "adapter_model.bin").exists() else ""
         raise FileNotFoundError(f"{wfile}: adapter weights not found{other}")
     if check_base:
-        want, have = d.get("base_model_name_or_path"), _model_name_or_path(model)
+        want = json_str(d, "base_model_name_or_path", str(path / ADAPTER_CONFIG), default=None, nullable=True)
+        have = _model_name_or_path(model)
         if want and have and not _same_base(want, have):
             msg = (f"{path / ADAPTER_CONFIG}: adapter was trained on base {want!r} but the model is {have!r} "
                    "(pass check_base=False to load anyway)")
@@ -192,8 +196,11 @@ def load_adapter(
             # the base weights hold the current update: new adapter values would make unmerge wrong
             raise RuntimeError(f"load_adapter({path}): adapters are merged into the base weights "
                                f"({merged[0]}, ...); call ftlib.lora.unmerge_lora(model) first")
-        if not _same_targets(existing, cfg):
-            raise ValueError(f"{path / ADAPTER_CONFIG}: config {d} differs from the model's adapter config {existing}")
+        existing = get_lora_config(model)  # with the layers' current ranks (rank decay changes them)
+        diff = _target_differences(existing, cfg)
+        if diff:
+            raise ValueError(f"{path / ADAPTER_CONFIG}: the adapter differs from the one the model has "
+                             f"(model -> file): {'; '.join(diff)}")
         params = _adapter_params(model)
         shapes = {k: tuple(p.shape) for k, p in params.items()}
         first: dict[int, str] = {}

@@ -19,11 +19,12 @@ so ``s B' A' = s sum_{i in K} sigma_i u_i v_i^T``: for every input x the layer o
 
 ``A'`` keeps the row scale of ``A`` (``B'`` carries the magnitudes, as at LoRA's init), so a
 component with sigma = 0 keeps a live ``A`` row instead of two zero factors that never train.
-The scaling ``s`` is kept: ``alpha' = s k`` (rsLoRA: ``s sqrt(k)``), written to the model's
-``LoRAConfig`` as ``rank_pattern`` / ``alpha_pattern`` entries, one escaped full module name per
-layer that differs from ``r`` / ``alpha`` (the user's own patterns are expanded into such names: the
-file is written with sorted keys and PEFT takes the first matching pattern, so a general pattern
-could shadow a decayed layer), and ``save_adapter`` writes plain PEFT LoRA that ``peft`` loads.
+The scaling ``s`` is kept: ``alpha' = s k`` (rsLoRA: ``s sqrt(k)``). ``get_lora_config`` reads each
+layer's rank and alpha back as ``rank_pattern`` / ``alpha_pattern`` entries, one escaped full module
+name per layer that differs from ``r`` / ``alpha`` (the user's own patterns are expanded into such
+names: the file is written with sorted keys and PEFT takes the first matching pattern, so a general
+pattern could shadow a decayed layer), so ``save_adapter`` writes plain PEFT LoRA that ``peft`` and
+ftlib load, after :class:`RankDecay` or a direct ``shrink_lora`` alike.
 Cost per layer: two thin QRs (out r^2 + in r^2) and an r x r SVD, in float64.
 
 Optimizer state, ``optimizer_state="project"`` (default). The gradients of the new factors are
@@ -62,7 +63,6 @@ construction: rebuild the DDP wrapper after a decay step.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -70,7 +70,7 @@ import torch
 from torch import nn
 
 from ._match import pattern_value
-from .apply import _CONFIG_ATTR, lora_layers
+from .apply import _CONFIG_ATTR, get_lora_config, lora_layers
 from .layers import LoRALinear
 
 __all__ = [
@@ -462,19 +462,9 @@ class RankDecay:
         return reports
 
     def _update_config(self) -> None:
-        cfg = getattr(self.model, _CONFIG_ATTR, None)
-        if cfg is None:
-            return
-        # One escaped full name per layer that differs from the defaults, and no other pattern: PEFT and
-        # ftlib take the first matching pattern, and adapter_config.json is written with sorted keys,
-        # so a user pattern like "down_proj" could otherwise come first and shadow a decayed layer.
-        ranks, alphas = {}, {}
-        for name, layer in lora_layers(self.model):
-            if layer.r != cfg.r:
-                ranks[re.escape(name)] = layer.r
-            if layer.alpha != cfg.alpha:
-                alphas[re.escape(name)] = layer.alpha
-        object.__setattr__(self.model, _CONFIG_ATTR, cfg.replace(rank_pattern=ranks, alpha_pattern=alphas))
+        # the stored config follows the layers (get_lora_config derives it from their ranks and alphas)
+        if getattr(self.model, _CONFIG_ATTR, None) is not None:
+            object.__setattr__(self.model, _CONFIG_ATTR, get_lora_config(self.model))
 
     # -- state ------------------------------------------------------------------------------------
 

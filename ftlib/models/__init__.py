@@ -2,7 +2,8 @@
 
 - ``LlamaConfig`` / ``LlamaForCausalLM``: the decoder (Llama 2/3/3.1/3.2, Qwen2/2.5, Mistral);
 - ``load_pretrained`` / ``save_pretrained``: config.json + sharded safetensors, loaded tensor by tensor;
-- ``load_tokenizer``: tokenizer.json + special tokens + sandboxed chat template;
+- ``load_tokenizer``: tokenizer.json + special tokens + sandboxed chat template; ``check_vocab``: its ids fit
+  the model's embedding;
 - ``generate`` / ``KVCache``: decoding with a cache that lives outside the model;
 - ``LlamaRewardModel`` / ``score`` / ``save_reward_model`` / ``load_reward_model``: a scalar reward head
   in ``transformers``' sequence-classification layout.
@@ -22,6 +23,7 @@ from .reward import (
 )
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .tokenizer import PretrainedTokenizer, load_tokenizer, render_chat_template
+from .vocab import check_vocab
 
 __all__ = [
     "LlamaConfig",
@@ -42,6 +44,7 @@ __all__ = [
     "save_pretrained",
     "parse_size",
     "load_tokenizer",
+    "check_vocab",
     "PretrainedTokenizer",
     "render_chat_template",
     "apply_rope",

@@ -15,7 +15,9 @@ attention, SwiGLU MLP) and differ only in a few switches:
 ``from_hf_dict`` accepts both the classic layout (``rope_theta`` +
 ``rope_scaling``) and the newer ``rope_parameters`` dict; ``to_hf_dict`` writes
 the classic layout plus ``rope_parameters`` so both old and new readers load it.
-Keys ftlib does not use are kept in ``extra`` and written back unchanged.
+Keys ftlib does not use are kept in ``extra`` and written back unchanged. Every key it reads is
+checked for its JSON type and range first (``"tie_word_embeddings": "false"`` is refused, not read
+as True), with an error naming the file, the field, what was expected and what was found.
 
 Reference: the ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` classes of
 Hugging Face transformers and their published ``config.json`` files.
@@ -26,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from .._fields import json_bool, json_dict, json_float, json_int, json_int_list, json_str
 
 __all__ = ["LlamaConfig", "ARCHITECTURES"]
 
@@ -113,59 +117,64 @@ class LlamaConfig:
         """Build a config from a parsed Hugging Face ``config.json``; ``source`` names it in errors."""
         if not isinstance(d, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        model_type = d.get("model_type")
-        if model_type is None:
-            raise ValueError(f"{source}: missing field 'model_type'")
+        model_type = json_str(d, "model_type", source)
         if model_type not in ARCHITECTURES:
             raise ValueError(
                 f"{source}: model_type {model_type!r} is not supported "
                 f"(expected one of {', '.join(sorted(ARCHITECTURES))})"
             )
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        for key in required:
-            if key not in d:
-                raise ValueError(f"{source}: missing field {key!r}")
+        sizes = {key: json_int(d, key, source, min=1) for key in
+                 ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
 
-        rope_params = d.get("rope_parameters") or {}
+        rope_params = json_dict(d, "rope_parameters", source, default=None, nullable=True) or {}
         if rope_params and any(isinstance(v, dict) for v in rope_params.values()):
             raise ValueError(f"{source}: per-layer rope_parameters are not supported")
-        theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling") or {k: v for k, v in rope_params.items() if k != "rope_theta"} or None
-        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            scaling = None
+        if "rope_theta" in d:
+            theta = json_float(d, "rope_theta", source, min=0, min_open=True)
+        else:
+            theta = json_float(rope_params, "rope_theta", f"{source}: rope_parameters", default=10000.0,
+                               min=0, min_open=True)
+        scaling = json_dict(d, "rope_scaling", source, default=None, nullable=True)
+        if not scaling:
+            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"} or None
+        if scaling is not None:
+            where = f"{source}: rope_scaling"
+            kind = json_str(scaling, "rope_type", where, default=None, nullable=True)
+            if kind is None:
+                kind = json_str(scaling, "type", where, default="default", nullable=True) or "default"
+            if kind == "default":
+                scaling = None
 
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
-            window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+            use_window = json_bool(d, "use_sliding_window", source, default=False)
         else:
-            qkv_bias = o_bias = bool(d.get("attention_bias", False))
-            window = d.get("sliding_window") if model_type == "mistral" else None
+            qkv_bias = o_bias = json_bool(d, "attention_bias", source, default=False)
+            use_window = model_type == "mistral"
+        window = json_int(d, "sliding_window", source, default=None, nullable=True, min=1) if use_window else None
+        eos = json_int_list(d, "eos_token_id", source, default=None, nullable=True, or_int=True)
 
         known = set(f.name for f in dataclasses.fields(cls)) | {"rope_scaling", "attention_bias", "use_sliding_window"}
         extra = {k: v for k, v in d.items() if k not in known and k not in _VOLATILE}
         kwargs = dict(
             model_type=model_type,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads"),
-            head_dim=d.get("head_dim"),
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            **sizes,
+            num_key_value_heads=json_int(d, "num_key_value_heads", source, default=None, nullable=True, min=1),
+            head_dim=json_int(d, "head_dim", source, default=None, nullable=True, min=1),
+            max_position_embeddings=json_int(d, "max_position_embeddings", source, default=2048, min=1),
+            rms_norm_eps=json_float(d, "rms_norm_eps", source, default=1e-6, min=0, min_open=True),
+            rope_theta=theta,
             rope_scaling=dict(scaling) if scaling else None,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            mlp_bias=json_bool(d, "mlp_bias", source, default=False),
+            tie_word_embeddings=json_bool(d, "tie_word_embeddings", source, default=False),
             sliding_window=window,
-            hidden_act=d.get("hidden_act", "silu"),
-            initializer_range=float(d.get("initializer_range", 0.02)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-            pad_token_id=d.get("pad_token_id"),
+            hidden_act=json_str(d, "hidden_act", source, default="silu"),
+            initializer_range=json_float(d, "initializer_range", source, default=0.02, min=0),
+            bos_token_id=json_int(d, "bos_token_id", source, default=None, nullable=True),
+            eos_token_id=eos,
+            pad_token_id=json_int(d, "pad_token_id", source, default=None, nullable=True),
             extra=extra,
         )
         try:
@@ -214,21 +223,22 @@ def _check_rope_scaling(scaling: dict, max_pos: int, source: str) -> dict:
     """Normalise a ``rope_scaling`` dict to ``{"rope_type": ..., ...}`` and check its fields."""
     if not isinstance(scaling, dict):
         raise ValueError(f"{source}: rope_scaling must be an object, got {type(scaling).__name__}")
+    where = f"{source}: rope_scaling"
     s = dict(scaling)
-    kind = s.pop("type", None)
-    s["rope_type"] = s.get("rope_type", kind) or "default"
+    kind = json_str(s, "type", where, default=None, nullable=True)
+    s.pop("type", None)
+    s["rope_type"] = json_str(s, "rope_type", where, default=None, nullable=True) or kind or "default"
     if s["rope_type"] not in _ROPE_TYPES:
         raise ValueError(
             f"{source}: rope_scaling type {s['rope_type']!r} is not supported (expected one of {_ROPE_TYPES})"
         )
     if s["rope_type"] in ("linear", "llama3"):
-        if not isinstance(s.get("factor"), (int, float)) or s["factor"] <= 0:
-            raise ValueError(f"{source}: rope_scaling.factor must be a positive number, got {s.get('factor')!r}")
+        json_float(s, "factor", where, min=0, min_open=True)
     if s["rope_type"] == "llama3":
         s.setdefault("original_max_position_embeddings", max_pos)
+        json_int(s, "original_max_position_embeddings", where, min=1)
         for key in ("low_freq_factor", "high_freq_factor"):
-            if not isinstance(s.get(key), (int, float)):
-                raise ValueError(f"{source}: rope_scaling.{key} is required for rope_type 'llama3'")
+            json_float(s, key, where, min=0, min_open=True)
         if s["high_freq_factor"] <= s["low_freq_factor"]:
             raise ValueError(f"{source}: rope_scaling needs high_freq_factor > low_freq_factor")
     return s

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from .._atomic import atomic_write
+from .._fields import json_dict
 from ._safetensors_io import SafetensorsReader
 from .config import ARCHITECTURES, LlamaConfig
 from .llama import LlamaForCausalLM
@@ -83,11 +84,17 @@ def _weight_files(root: Path) -> dict[str, list[str]]:
     index = root / _INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            d = json.loads(index.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
             raise ValueError(f"{index}: not a safetensors index (need a 'weight_map' object): {e}") from None
+        if not isinstance(d, dict) or "weight_map" not in d:
+            raise ValueError(f"{index}: not a safetensors index (need a 'weight_map' object)")
+        weight_map = json_dict(d, "weight_map", str(index))
         files: dict[str, list[str]] = {}
         for name, fname in weight_map.items():
+            if not isinstance(fname, str) or not fname or os.path.basename(fname) != fname:
+                raise ValueError(f"{index}: field weight_map[{name!r}] must be a shard file name in this folder, "
+                                 f"got {fname!r}")
             files.setdefault(str(root / fname), []).append(name)
         for f in files:
             if not os.path.isfile(f):

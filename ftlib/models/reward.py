@@ -19,7 +19,10 @@ Files are those of ``transformers``' ``LlamaForSequenceClassification`` (``Qwen2
 config.json with ``architectures``, one label (``id2label``) and ``pad_token_id``, tensors
 ``model.*`` and ``score.weight`` [1, H]. ``transformers`` pools at the rightmost token that is not
 ``pad_token_id``; that is the last real token as long as documents do not end with the pad token
-(use a dedicated pad token, not EOS, when documents end with EOS). ``load_reward_model`` also
+(use a dedicated pad token, not EOS, when documents end with EOS). ``save_reward_model`` warns when
+the pad id it writes is an EOS id: whether documents end with EOS is not known at save (the
+documents are not), and refusing there would throw away a trained model at the end of a run; the
+warning names the fix (``warnings.simplefilter("error")`` makes it an error). ``load_reward_model`` also
 reads a causal-LM checkpoint: the LM head is dropped and the score head initialised as
 ``transformers`` does (N(0, initializer_range)), with a warning naming the file.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,6 +40,7 @@ import torch
 from torch import nn
 
 from .._atomic import atomic_write
+from .._fields import json_dict, json_int
 from .config import LlamaConfig
 from .hub import _read_config, _read_weights, _resolve_dtype, _set_tensor, save_pretrained
 from .llama import LlamaForCausalLM, LlamaModel
@@ -234,6 +239,15 @@ def save_reward_model(model: LlamaRewardModel, path: str | os.PathLike, *, pad_t
     if pad is None:
         log.warning("save_reward_model(%s): no pad_token_id; transformers will refuse batches of more than one "
                     "row (pass pad_token_id=)", root)
+    eos = model.config.eos_token_id
+    if pad is not None and pad in (eos if isinstance(eos, list) else [eos]):
+        warnings.warn(
+            f"save_reward_model({root}): pad_token_id {pad} is also the EOS id: transformers scores a document at "
+            "its last token that is not the pad id, so on documents ending in EOS it reads the token before the EOS "
+            "and its scores differ from ftlib's. Pass pad_token_id= a token documents never end with (e.g. a "
+            "dedicated pad token), or score documents without a trailing EOS",
+            UserWarning, stacklevel=2,
+        )
     cfg.update(architectures=[SEQ_CLS_ARCHITECTURES[model.config.model_type]], id2label={"0": "LABEL_0"},
                label2id={"LABEL_0": 0}, pad_token_id=pad)
     cfg.pop("num_labels", None)
@@ -248,8 +262,9 @@ def load_reward_model(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | s
     dtype, device = _resolve_dtype(dtype), torch.device(device if device is not None else "cpu")
     root = resolve_model_dir(path_or_repo_id)
     config = _read_config(root / "config.json")
-    id2label = config.extra.get("id2label")  # transformers derives num_labels from it
-    labels = len(id2label) if id2label else config.extra.get("num_labels", 1)
+    source = str(root / "config.json")
+    id2label = json_dict(config.extra, "id2label", source, default=None, nullable=True)  # num_labels derives from it
+    labels = len(id2label) if id2label else json_int(config.extra, "num_labels", source, default=1, min=1)
     if labels != 1:
         raise ValueError(f"{root / 'config.json'}: {labels} labels; a reward model has one (a scalar score)")
     with torch.device("meta"):

@@ -30,7 +30,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .._fields import json_str
 from .._jinja import render_chat
+from .vocab import check_vocab
 
 __all__ = ["PretrainedTokenizer", "load_tokenizer", "render_chat_template", "resolve_model_dir"]
 
@@ -157,12 +159,22 @@ def load_tokenizer(path_or_repo_id: str | os.PathLike) -> PretrainedTokenizer:
 
     template = cfg.get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        named = {}
+        for i, t in enumerate(template):
+            where = f"{cfg_file}: chat_template[{i}]"
+            if not isinstance(t, dict):
+                raise ValueError(f"{where} must be an object with 'name' and 'template', got {t!r}")
+            named[json_str(t, "name", where)] = json_str(t, "template", where)
         if "default" not in named:
             raise ValueError(f"{cfg_file}: chat_template list has no 'default' entry (has {sorted(named)})")
         template = named["default"]
     if template is None and (root / "chat_template.jinja").is_file():
         template = (root / "chat_template.jinja").read_text(encoding="utf-8")
     if template is not None and not isinstance(template, str):
-        raise ValueError(f"{cfg_file}: chat_template must be a string, got {type(template).__name__}")
-    return PretrainedTokenizer(tokenizer, chat_template=template, source=str(root), **specials)
+        raise ValueError(f"{cfg_file}: field chat_template must be a string or a list of "
+                         f"{{'name', 'template'}} objects, got {type(template).__name__}")
+    tok = PretrainedTokenizer(tokenizer, chat_template=template, source=str(root), **specials)
+    model_cfg = _read_json(root / "config.json")  # the model of this folder: its embedding must fit the ids
+    if "vocab_size" in model_cfg:
+        check_vocab(tok, model_cfg, tokenizer_source=tok_file, model_source=root / "config.json")
+    return tok

@@ -15,12 +15,12 @@ from ftlib.lora import (
     count_params,
     disable_adapters,
     lora_layers,
-    lora_plus_param_groups,
     merge_and_unload,
     merge_lora,
     trainable_params,
     unmerge_lora,
 )
+from ftlib.optim import param_groups
 
 
 class Block(nn.Module):
@@ -147,7 +147,7 @@ def test_disable_adapters_warns_about_modules_to_save(toy):
 
 def test_lora_plus_groups(toy):
     m = apply_lora(toy, LoRAConfig(target_modules=["q_proj"], use_dora=True, modules_to_save=["lm_head", "norm"]))
-    groups = lora_plus_param_groups(m, lr=1e-4, ratio=16, weight_decay=0.1)
+    groups = param_groups(m, lr=1e-4, lora_plus_ratio=16, weight_decay=0.1)
     setting = {n: (g["lr"], g["weight_decay"]) for g in groups for n in g["param_names"]}
     assert sorted(setting) == sorted(trainable_params(m))  # every trainable parameter exactly once
     for name, (lr, wd) in setting.items():
@@ -157,7 +157,7 @@ def test_lora_plus_groups(toy):
     assert any("lora_B" in n for n in setting) and any("lora_magnitude_vector" in n for n in setting)
     torch.optim.AdamW(groups)  # accepted by torch optimizers
     with pytest.raises(ValueError):
-        lora_plus_param_groups(m, lr=1e-4, ratio=0)
+        param_groups(m, lr=1e-4, lora_plus_ratio=0)
 
 
 @pytest.mark.parametrize("quantize_modules", ["targets", "all"])
@@ -309,7 +309,7 @@ def test_bad_input(toy):
 def test_training_reduces_loss(toy, cfg):
     # a tiny fitting run: adapters alone must be able to fit a fixed batch
     m = apply_lora(toy, cfg)
-    opt = torch.optim.AdamW(lora_plus_param_groups(m, lr=1e-2, ratio=4))
+    opt = torch.optim.AdamW(param_groups(m, lr=1e-2, lora_plus_ratio=4))
     targets = torch.tensor([[2, 3, 4, 5, 6], [7, 8, 9, 10, 1]])
     losses = []
     for _ in range(40):

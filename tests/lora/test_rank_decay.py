@@ -356,3 +356,35 @@ def test_decayed_adapter_loads_in_peft_with_equal_logits(tmp_path, rslora):
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=ids).logits, want, atol=1e-6, rtol=1e-6)
     assert lora_spectrum(back.model.layers[0].self_attn.q_proj).shape == (3,)
+
+
+def test_shrink_lora_then_save_adapter_writes_each_layers_rank(tmp_path):
+    """shrink_lora on one layer, outside RankDecay: the file names that layer's rank and alpha,
+    so PEFT and ftlib both load it and compute what the model computes."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg).eval()
+    model = apply_lora(copy.deepcopy(base), LoRAConfig(r=8, alpha=16, target_modules=["q_proj", "v_proj"]),
+                       verbose=False)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in trainable_params(model).values():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    shrink_lora(model.model.layers[1].self_attn.v_proj, 3, name="model.layers.1.self_attn.v_proj")
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5, 35], [8, 9, 7, 9, 3, 2, 38]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    save_adapter(model, tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["r"] == 8 and saved["rank_pattern"] == {r"model\.layers\.1\.self_attn\.v_proj": 3}
+    assert saved["alpha_pattern"] == {r"model\.layers\.1\.self_attn\.v_proj": pytest.approx(6.0)}  # s = 2 kept
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path).eval()
+    back = load_adapter(copy.deepcopy(base), tmp_path).eval()
+    assert back.model.layers[1].self_attn.v_proj.r == 3 and back.model.layers[0].self_attn.v_proj.r == 8
+    with torch.no_grad():
+        torch.testing.assert_close(pm(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(back(input_ids=ids).logits, want, atol=1e-6, rtol=1e-6)
+    load_adapter(model, tmp_path)  # into the shrunk model itself: the configs agree

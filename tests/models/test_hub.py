@@ -116,6 +116,21 @@ def test_truncated_safetensors_file(make_model, tmp_path, keep):
         load_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("change,match", [
+    (lambda d: {"weight_map": list(d["weight_map"])}, "field weight_map must be an object"),
+    (lambda d: [d], "need a 'weight_map' object"),
+    (lambda d: {"weight_map": {**d["weight_map"], "lm_head.weight": 3}}, r"weight_map\['lm_head.weight'\] must be"),
+    (lambda d: {"weight_map": {**d["weight_map"], "lm_head.weight": "../elsewhere.safetensors"}}, "shard file name"),
+])
+def test_index_field_types(make_model, tmp_path, change, match):
+    save_pretrained(make_model(), tmp_path, max_shard_size="30KB")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps(change(json.loads(index.read_text()))))
+    with pytest.raises(ValueError, match=match) as e:
+        load_pretrained(tmp_path)
+    assert str(index) in str(e.value)
+
+
 def test_missing_shard_and_missing_files(make_model, tmp_path):
     shards = [w for w in save_pretrained(make_model(), tmp_path, max_shard_size="30KB") if w.startswith("model-")]
     os.remove(tmp_path / shards[1])

@@ -3,6 +3,7 @@
 import json
 import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -187,3 +188,25 @@ def test_bad_files_are_refused(make_config, tmp_path):
         load_reward_model(tmp_path)
     with pytest.raises(TypeError, match="merge LoRA adapters first"):
         save_reward_model(LlamaForCausalLM(make_config()), tmp_path / "x")
+
+
+EOS = 2
+
+
+def test_pad_equal_to_eos_warns_at_save(make_config, tmp_path):
+    torch.manual_seed(0)
+    rm = LlamaRewardModel(make_config(pad_token_id=EOS, eos_token_id=[7, EOS]))
+    ended = [d + [EOS] for d in docs()]  # documents ending in EOS, as chat templates write them
+    with pytest.warns(UserWarning, match="pad_token_id 2 is also the EOS id"):
+        save_reward_model(rm, tmp_path / "same")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a dedicated pad id: no warning
+        save_reward_model(rm, tmp_path / "dedicated", pad_token_id=PAD)
+    transformers = pytest.importorskip("transformers")
+    ours = score(rm, ended)
+    for name, differs in (("same", True), ("dedicated", False)):
+        hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / name).eval()
+        with torch.no_grad():  # one document per row: no padding, only the pooling rule differs
+            theirs = torch.stack([hf(input_ids=torch.tensor([d])).logits.reshape(()) for d in ended])
+        # what the warning is about: transformers pools at the token before the trailing EOS
+        assert (not torch.allclose(theirs, ours, atol=1e-5)) == differs, name
