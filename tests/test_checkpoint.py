@@ -27,6 +27,7 @@ from ftlib.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from ftlib.checkpoint import format as ckfmt
 from ftlib.clip import ZScoreClipper
 from ftlib.lora import LoRAConfig, apply_lora, load_adapter, save_adapter
 from ftlib.models import LlamaConfig, LlamaForCausalLM, load_pretrained
@@ -226,7 +227,7 @@ def test_corrupt_json_with_a_forged_marker_still_fails_to_parse(tmp_path):
     (bad / "state.json").write_text('{"step": 6, "mode')
     marker = json.loads((bad / MARKER).read_text())
     marker["files"]["state.json"] = {"bytes": (bad / "state.json").stat().st_size,
-                                     "sha256": ckmod._sha256_file(bad / "state.json")}
+                                     "sha256": ckfmt.sha256_file(bad / "state.json")}
     (bad / MARKER).write_text(json.dumps(marker))
     with pytest.warns(CheckpointWarning, match="unreadable train state"):
         assert latest_checkpoint(tmp_path) == paths[1]
@@ -282,7 +283,7 @@ def test_background_save_snapshots_at_call_time_and_reraises_errors(tmp_path, mo
     def broken(*args, **kw):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckmod, "_write_safetensors", broken)
+    monkeypatch.setattr(ckfmt, "write_safetensors", broken)
     ck.save(2, model=a[0])
     with pytest.raises(CheckpointError, match="disk full"):
         ck.wait()
@@ -386,8 +387,8 @@ def _same(a, b):
 def test_state_encoding_round_trips_through_strict_json(tree):
     """Invariant: decode(json(encode(x))) == x for tensors, arrays, tuples, int keys, inf and nan."""
     tensors = {}
-    text = json.dumps(ckmod._encode(tree, "x", tensors), allow_nan=False)
-    assert _same(tree, ckmod._decode(json.loads(text), tensors, "test"))
+    text = json.dumps(ckfmt.encode(tree, "x", tensors), allow_nan=False)
+    assert _same(tree, ckfmt.decode(json.loads(text), tensors, "test"))
 
 
 def test_written_safetensors_match_the_reference_writer(tmp_path):
@@ -395,9 +396,9 @@ def test_written_safetensors_match_the_reference_writer(tmp_path):
 
     ts = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(2).bfloat16(),
           "d": torch.tensor(3.0), "e": torch.zeros(0, 4), "f": torch.tensor([True, False])}
-    size, sha = ckmod._write_safetensors(tmp_path / "ours.safetensors", ts, {"format": "pt"})
+    size, sha = ckfmt.write_safetensors(tmp_path / "ours.safetensors", ts, {"format": "pt"})
     assert size == os.path.getsize(tmp_path / "ours.safetensors")
-    assert sha == ckmod._sha256_file(tmp_path / "ours.safetensors")
+    assert sha == ckfmt.sha256_file(tmp_path / "ours.safetensors")
     save_file(ts, str(tmp_path / "ref.safetensors"))
     ours, ref = load_file(str(tmp_path / "ours.safetensors")), load_file(str(tmp_path / "ref.safetensors"))
     assert ours.keys() == ref.keys()
