@@ -31,11 +31,11 @@ from ftlib.distributed import (
     shard_model,
     wrap_ddp,
 )
-from ftlib.distributed.checkpoint import _Comm
+from ftlib._dist import all_gather_json
 
 
 def gathered(obj):
-    return _Comm(None).all_gather_json(obj)
+    return all_gather_json(obj)
 
 
 def write(out: Path, name: str, obj) -> None:
