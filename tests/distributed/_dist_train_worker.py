@@ -20,6 +20,7 @@ import torch.distributed as dist
 from _dist_common import ACCUM, SAVE_AT, STEPS, build, full_value, has_lora, parts, saved_weights, train
 from safetensors.torch import save_file
 
+from ftlib._dist import all_gather_json
 from ftlib.distributed import (
     ShardedCheckpointer,
     device_mesh,
@@ -31,7 +32,6 @@ from ftlib.distributed import (
     shard_model,
     wrap_ddp,
 )
-from ftlib._dist import all_gather_json
 
 
 def gathered(obj):
