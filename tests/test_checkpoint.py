@@ -471,6 +471,13 @@ def test_a_second_writer_on_a_root_is_refused_naming_the_holder(tmp_path):
     with Checkpointer(tmp_path):  # free again
         with pytest.raises(CheckpointError, match=f"pid {os.getpid()}"):
             Checkpointer(tmp_path)  # a second live writer in this process too
+    ck = Checkpointer(tmp_path, background=False)
+    ck.close()
+    ck.save(1, model=_parts()[0])  # saving after close() takes the lock again ...
+    with pytest.raises(CheckpointError, match="another writer"):
+        Checkpointer(tmp_path)
+    ck.close()  # ... and close() gives it back
+    assert not (tmp_path / ".lock").exists()
 
 
 def test_a_stale_lock_is_taken_over_and_another_hosts_lock_is_not(tmp_path):

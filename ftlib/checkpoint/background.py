@@ -32,6 +32,7 @@ class BackgroundWriter:
     def submit(self, write: Callable[[], None], name: str) -> None:
         """``wait()``, then run ``write()`` in a new thread called ``name``."""
         self.wait()
+        _LIVE.add(self)
         self._thread = threading.Thread(target=self._run, args=(write,), name=name)
         self._thread.start()
 

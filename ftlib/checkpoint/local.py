@@ -171,8 +171,8 @@ class Checkpointer:
         """
         final = self.root / step_dir_name(step)
         self.wait()  # one save in flight; raises an earlier background error
-        if not self._lock.held:
-            raise fmt.CheckpointError(f"{self.root}: this Checkpointer was closed; build a new one to save")
+        if not self._lock.held:  # saving again after close(): take the root's lock again
+            self._lock = RootLock(self.root)
         model = unwrap(model)
         kind, weights, texts = _model_files(model, base_model_name_or_path)
         state_tensors: dict[str, torch.Tensor] = {}

@@ -129,8 +129,16 @@ class ShardedCheckpointer:
         self.rank, self.world_size = _dist.rank(self._group), _dist.world_size(self._group)
         self._pid0 = int(self._from_rank0(os.getpid()))
         self._lock: RootLock | None = None
+        self._take_lock()
+        self._writer = BackgroundWriter(str(self.root))
+        self._stager, self._stager_keys = None, None
+        if background:
+            self._stager = self._new_stager()
+
+    def _take_lock(self) -> None:
+        """Rank 0 takes the root's lock (and names temporary directories with its pid); every rank learns the outcome."""
         error = None
-        if self.rank == 0:  # rank 0 names temporary directories (with its pid) and holds the lock
+        if self.rank == 0:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 self._lock = RootLock(self.root)
@@ -140,10 +148,7 @@ class ShardedCheckpointer:
         error = self._from_rank0(error)
         if error is not None:
             raise CheckpointError(error)
-        self._writer = BackgroundWriter(str(self.root))
-        self._stager, self._stager_keys = None, None
-        if background:
-            self._stager = self._new_stager()
+        self._closed = False
 
     def _gather(self, obj: Any) -> list:
         return _dist.all_gather_json(obj, self._group)
@@ -169,6 +174,8 @@ class ShardedCheckpointer:
 
         final = self.root / step_dir_name(step)
         self.wait()
+        if self._closed:  # saving again after close(): take the root's lock again (collective, as close() was)
+            self._take_lock()
         self._count += 1
         tmp = tmp_dir(self.root, final, self._pid0, self._count)
         kind, weights, prefix = model_tensors(model)
@@ -262,6 +269,7 @@ class ShardedCheckpointer:
                 self._stager = None
             if self._lock is not None:
                 self._lock.release()
+            self._closed = True
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)
