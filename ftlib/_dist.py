@@ -22,10 +22,10 @@ __all__ = [
     "all_gather_json",
     "comm_device",
     "from_rank0",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
     "is_distributed",
-    "local_rank",
-    "rank",
-    "world_size",
 ]
 
 
@@ -34,17 +34,17 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def rank(group=None) -> int:
+def get_rank(group=None) -> int:
     """This process's rank in ``group`` (the default group when None); 0 without torch.distributed."""
     return dist.get_rank(group) if is_distributed() else 0
 
 
-def world_size(group=None) -> int:
+def get_world_size(group=None) -> int:
     """The number of ranks in ``group`` (the default group when None); 1 without torch.distributed."""
     return dist.get_world_size(group) if is_distributed() else 1
 
 
-def local_rank() -> int:
+def get_local_rank() -> int:
     """This process's rank on its node (``LOCAL_RANK``, which torchrun sets; 0 when unset)."""
     return int(os.environ.get("LOCAL_RANK", 0))
 
@@ -61,9 +61,9 @@ def comm_device(group=None) -> torch.device:
 
 def all_gather_json(obj: Any, group=None) -> list:
     """Every rank's ``obj`` (JSON-able), in rank order; collective over ``group``. ``[obj]`` alone."""
-    if world_size(group) == 1:
+    if get_world_size(group) == 1:
         return [json.loads(json.dumps(obj))]
-    device, world = comm_device(group), world_size(group)
+    device, world = comm_device(group), get_world_size(group)
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
     n = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(n) for _ in range(world)]

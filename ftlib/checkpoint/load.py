@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _dist
+from .._dist import get_rank, get_world_size, is_distributed
 from .format import (
     MARKER,
     MODEL_TENSORS,
@@ -104,7 +104,7 @@ def _is_sharded(path: Path) -> bool:
 
 def _check(path: Path, full: bool) -> str | None:
     """None if ``path`` passes, else why (collective for a sharded checkpoint under torch.distributed)."""
-    if _is_sharded(path) and _dist.is_distributed():
+    if _is_sharded(path) and is_distributed():
         return verify_shared(path, full=full)
     try:
         verify_checkpoint(path, full=full)
@@ -124,7 +124,7 @@ def _resolve(path: Path, verify: bool) -> Path:
         error = _check(p, full=True)
         if error is None:
             return p
-        if _dist.rank() == 0:
+        if get_rank() == 0:
             warnings.warn(f"skipping checkpoint {p}: {error}; falling back to an earlier one", CheckpointWarning,
                           stacklevel=3)
     raise FileNotFoundError(f"{path}: no complete checkpoint to resume from")
@@ -143,7 +143,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module | None = None, 
     state = read_state(path)
     where = str(path / STATE_JSON)
     stray = unlisted_files(path, marker)
-    if stray and _dist.rank() == 0:
+    if stray and get_rank() == 0:
         warnings.warn(f"{path}: {stray} are not listed in the checkpoint's {MARKER} marker (added after the save); "
                       "they are ignored", CheckpointWarning, stacklevel=2)
     listed = set(marker["files"])
@@ -336,7 +336,7 @@ def _load_sharded(path: Path, state: dict, small: dict, listed: set[str], model,
         flat.update(have)
     if flat:
         shards = {name.split("/", 1)[1] for name in listed if name.startswith(f"{SHARDS}/")}
-        on = _dist.is_distributed()
+        on = is_distributed()
         try:
             with quiet_single_process(on):
                 dcp.load(flat, storage_reader=listed_shards_reader(str(path / SHARDS), shards), no_dist=not on)
@@ -369,7 +369,7 @@ def _load_sharded(path: Path, state: dict, small: dict, listed: set[str], model,
 
 def _rank_part(path: Path, state: dict) -> tuple[dict, dict, Path]:
     """(this rank's saved JSON part, its tensors, the JSON file): saved rank r mod W for rank r of W'."""
-    src = _dist.rank() % int(state["world_size"])
+    src = get_rank() % int(state["world_size"])
     rfile = path / rank_file(src, "json")
     try:
         per_rank = json.loads(rfile.read_text())
@@ -382,8 +382,8 @@ def _load_rank_rng(path: Path, state: dict) -> None:
     per_rank, rsmall, rfile = _rank_part(path, state)
     if "rng" not in per_rank:
         raise CheckpointError(f"{rfile}: no RNG state was saved (saved with rng=False); pass rng=False")
-    saved_world, world = int(state["world_size"]), _dist.world_size()
-    if saved_world != world and _dist.rank() == 0:
+    saved_world, world = int(state["world_size"]), get_world_size()
+    if saved_world != world and get_rank() == 0:
         warnings.warn(f"{path}: saved by {saved_world} ranks, restored on {world}: rank r takes the "
                       f"RNG states of saved rank r mod {saved_world}, so random streams (dropout) are not "
                       f"those of a {saved_world}-rank continuation", CheckpointWarning, stacklevel=3)

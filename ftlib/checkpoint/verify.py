@@ -19,7 +19,7 @@ import os
 import warnings
 from pathlib import Path
 
-from .. import _dist
+from .._dist import all_gather_json, get_rank, get_world_size
 from .format import (
     MARKER,
     CheckpointError,
@@ -63,12 +63,12 @@ def verify_shared(path: str | os.PathLike, *, full: bool = True, group=None) -> 
     path = Path(path)
     error = None
     try:
-        _check(path, read_marker(path), full, _dist.rank(group), _dist.world_size(group))
+        _check(path, read_marker(path), full, get_rank(group), get_world_size(group))
     except CheckpointError as e:
         error = str(e)
     except OSError as e:
         error = f"{path}: unreadable ({e})"
-    errors = [e for e in _dist.all_gather_json(error, group) if e]
+    errors = [e for e in all_gather_json(error, group) if e]
     return errors[0] if errors else None
 
 

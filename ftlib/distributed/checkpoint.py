@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _dist
+from .._dist import all_gather_json, from_rank0, get_rank, get_world_size, is_distributed
 from ..checkpoint import load_checkpoint
 from ..checkpoint.background import BackgroundWriter
 from ..checkpoint.format import (
@@ -125,8 +125,8 @@ class ShardedCheckpointer:
         self.last_saved: Path | None = None
         self._count = 0
         # a gloo group of our own: background writes never share a communicator with training
-        self._group = dist.new_group(backend="gloo") if _dist.is_distributed() else None
-        self.rank, self.world_size = _dist.rank(self._group), _dist.world_size(self._group)
+        self._group = dist.new_group(backend="gloo") if is_distributed() else None
+        self.rank, self.world_size = get_rank(self._group), get_world_size(self._group)
         self._pid0 = int(self._from_rank0(os.getpid()))
         self._lock: RootLock | None = None
         self._take_lock()
@@ -151,10 +151,10 @@ class ShardedCheckpointer:
         self._closed = False
 
     def _gather(self, obj: Any) -> list:
-        return _dist.all_gather_json(obj, self._group)
+        return all_gather_json(obj, self._group)
 
     def _from_rank0(self, obj: Any) -> Any:
-        return _dist.from_rank0(obj, self._group)
+        return from_rank0(obj, self._group)
 
     @staticmethod
     def _new_stager():
@@ -237,7 +237,7 @@ class ShardedCheckpointer:
                                                   for k, v in rank_small.items()},
                         json.dumps(per_rank, indent=1, allow_nan=False) + "\n", texts, tensors, state["metrics"],
                         presaved)
-        on = _dist.is_distributed()
+        on = is_distributed()
         writer = HuggingFaceStorageWriter(str(tmp / SHARDS), save_distributed=True)
         kw = dict(storage_writer=writer, process_group=self._group, no_dist=not on)
         if self.background:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import _dist
+from .._dist import from_rank0, get_rank
 from ..checkpoint.sharded import causal_lm
 
 __all__ = ["export_adapter", "export_merged"]
@@ -107,7 +107,7 @@ def save_adapter_gathered(lm: nn.Module, path: str | os.PathLike, **save_kw) -> 
     from ..lora.peft_io import _adapter_params
 
     with _gathered(lm, set(_adapter_params(lm))):
-        if _dist.rank() == 0:
+        if get_rank() == 0:
             save_adapter(lm, path, **save_kw)
 
 
@@ -119,7 +119,7 @@ def export_adapter(model: nn.Module, path: str | os.PathLike, **save_kw) -> Path
     """
     _resharded(model)
     save_adapter_gathered(_lora_model(model), path, **save_kw)
-    _dist.from_rank0(None)  # every rank returns once rank 0 has written
+    from_rank0(None)  # every rank returns once rank 0 has written
     return Path(path)
 
 
@@ -149,7 +149,7 @@ def export_merged(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dty
     config = getattr(lm, "config", None)
     if not hasattr(config, "to_hf_dict"):
         raise ValueError("export_merged: no causal LM with a Hugging Face config inside the model")
-    rank = _dist.rank()
+    rank = get_rank()
     sharded = any(_is_dtensor(p) for p in lm.parameters())
     names: list[str] = []
     if rank == 0 or sharded:
@@ -192,7 +192,7 @@ def export_merged(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dty
                 raise RuntimeError(f"export_merged: no value for {left[:5]} (a module ftlib cannot merge?)")
             names = save_pretrained(out, path, max_shard_size=max_shard_size)
             del out
-    return _dist.from_rank0(names)  # also the barrier: the files exist when it returns
+    return from_rank0(names)  # also the barrier: the files exist when it returns
 
 
 def _walk(module: nn.Module, prefix: str, leaves: tuple):
