@@ -32,6 +32,8 @@ import warnings
 import torch
 from torch import nn
 
+from .local import unwrap
+
 __all__ = [
     "KIND",
     "causal_lm",
@@ -52,16 +54,12 @@ def rank_file(rank: int, ext: str) -> str:
     return f"rank-{rank:05d}.{ext}"
 
 
-def _plain_module(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
 def causal_lm(model: nn.Module) -> tuple[nn.Module, str]:
     """(the causal LM inside ``model``, its name prefix): the first module with a Hugging Face config."""
-    for name, mod in _plain_module(model).named_modules():
+    for name, mod in unwrap(model).named_modules():
         if hasattr(getattr(mod, "config", None), "to_hf_dict"):
             return mod, (name + "." if name else "")
-    return _plain_module(model), ""
+    return unwrap(model), ""
 
 
 def _strip(key: str, prefix: str) -> str:

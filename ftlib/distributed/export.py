@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .._dist import from_rank0, get_rank
+from ..checkpoint.local import unwrap
 from ..checkpoint.sharded import causal_lm
 
 __all__ = ["export_adapter", "export_merged"]
@@ -70,7 +71,7 @@ def _resharded(model: nn.Module) -> None:
 def _lora_model(model: nn.Module) -> nn.Module:
     from ..lora import get_lora_config
 
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    inner = unwrap(model)
     for mod in inner.modules():
         try:
             get_lora_config(mod)
