@@ -544,6 +544,14 @@ class TrainOptimizer:
             self._fall_back(int(fb["fell_back_at"]))  # the saved run had fallen back: continue in its precision
             log.info("TrainOptimizer: resuming in %s (fell back from fp16 at step %d)", self.precision, self.fell_back_at)
         if state["precision"] != self.precision:
+            fell = fb.get("fell_back_at")
+            if fell is not None and fb.get("requested_precision") == self.precision:
+                raise ValueError(
+                    f"state was saved with precision={state['precision']!r}: the run started in "
+                    f"{fb.get('requested_precision')} and fell back to {state['precision']} at step {fell}; this "
+                    f"wrapper has fallback={self.fallback!r}. Resume it with TrainOptimizer(..., "
+                    f"precision={self.precision!r}, fallback={state['precision']!r}) (it continues in "
+                    f"{state['precision']})")
             raise ValueError(f"state was saved with precision={state['precision']!r}, this wrapper uses {self.precision!r}")
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None:

@@ -28,6 +28,7 @@ def main(argv):
     import finetune_lora
 
     from ftlib import checkpoint
+    from ftlib.checkpoint import format as ckformat
     from ftlib.optim import TrainOptimizer
 
     if "--kill-backward" in opts:
@@ -45,7 +46,7 @@ def main(argv):
     if "--kill-save" in opts:
         k_save, f_kill = (int(x) for x in opts[opts.index("--kill-save") + 1].split(":"))
         saves, files = [0], [0]
-        save, write_st = checkpoint.Checkpointer.save, checkpoint._write_safetensors
+        save, write_st = checkpoint.Checkpointer.save, ckformat.write_safetensors
 
         def counted_save(self, *a, **k):
             saves[0] += 1
@@ -60,7 +61,7 @@ def main(argv):
             return out
 
         checkpoint.Checkpointer.save = counted_save
-        checkpoint._write_safetensors = counted_write
+        ckformat.write_safetensors = counted_write
     finetune_lora.main(args)
 
 

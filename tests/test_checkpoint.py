@@ -27,6 +27,7 @@ from ftlib.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from ftlib.checkpoint import format as ckfmt
 from ftlib.clip import ZScoreClipper
 from ftlib.lora import LoRAConfig, apply_lora, load_adapter, save_adapter
 from ftlib.models import LlamaConfig, LlamaForCausalLM, load_pretrained
@@ -226,7 +227,7 @@ def test_corrupt_json_with_a_forged_marker_still_fails_to_parse(tmp_path):
     (bad / "state.json").write_text('{"step": 6, "mode')
     marker = json.loads((bad / MARKER).read_text())
     marker["files"]["state.json"] = {"bytes": (bad / "state.json").stat().st_size,
-                                     "sha256": ckmod._sha256_file(bad / "state.json")}
+                                     "sha256": ckfmt.sha256_file(bad / "state.json")}
     (bad / MARKER).write_text(json.dumps(marker))
     with pytest.warns(CheckpointWarning, match="unreadable train state"):
         assert latest_checkpoint(tmp_path) == paths[1]
@@ -282,7 +283,7 @@ def test_background_save_snapshots_at_call_time_and_reraises_errors(tmp_path, mo
     def broken(*args, **kw):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckmod, "_write_safetensors", broken)
+    monkeypatch.setattr(ckfmt, "write_safetensors", broken)
     ck.save(2, model=a[0])
     with pytest.raises(CheckpointError, match="disk full"):
         ck.wait()
@@ -386,8 +387,8 @@ def _same(a, b):
 def test_state_encoding_round_trips_through_strict_json(tree):
     """Invariant: decode(json(encode(x))) == x for tensors, arrays, tuples, int keys, inf and nan."""
     tensors = {}
-    text = json.dumps(ckmod._encode(tree, "x", tensors), allow_nan=False)
-    assert _same(tree, ckmod._decode(json.loads(text), tensors, "test"))
+    text = json.dumps(ckfmt.encode(tree, "x", tensors), allow_nan=False)
+    assert _same(tree, ckfmt.decode(json.loads(text), tensors, "test"))
 
 
 def test_written_safetensors_match_the_reference_writer(tmp_path):
@@ -395,9 +396,9 @@ def test_written_safetensors_match_the_reference_writer(tmp_path):
 
     ts = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(2).bfloat16(),
           "d": torch.tensor(3.0), "e": torch.zeros(0, 4), "f": torch.tensor([True, False])}
-    size, sha = ckmod._write_safetensors(tmp_path / "ours.safetensors", ts, {"format": "pt"})
+    size, sha = ckfmt.write_safetensors(tmp_path / "ours.safetensors", ts, {"format": "pt"})
     assert size == os.path.getsize(tmp_path / "ours.safetensors")
-    assert sha == ckmod._sha256_file(tmp_path / "ours.safetensors")
+    assert sha == ckfmt.sha256_file(tmp_path / "ours.safetensors")
     save_file(ts, str(tmp_path / "ref.safetensors"))
     ours, ref = load_file(str(tmp_path / "ours.safetensors")), load_file(str(tmp_path / "ref.safetensors"))
     assert ours.keys() == ref.keys()
@@ -425,3 +426,152 @@ def test_a_lora_checkpoint_loads_in_peft(tmp_path):
     ids = torch.randint(0, CFG["vocab_size"], (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(peft_model(ids).logits, model.eval()(ids), atol=1e-5, rtol=1e-5)
+
+
+# ---- issue 21: what a checkpoint holds, who writes it, and what is refused ----------------------
+
+
+def test_files_the_marker_does_not_list_are_ignored_with_a_warning(tmp_path):
+    """A file copied into a verified checkpoint after the save is not loaded (the marker is the manifest)."""
+    from safetensors.torch import save_file
+
+    a = _parts()
+    path = save_checkpoint(tmp_path, 1, model=a[0])
+    b = _parts()
+    b[0].model.norm.weight.requires_grad_(True)
+    before = b[0].model.norm.weight.detach().clone()
+    save_file({"model.norm.weight": torch.full_like(before, 7.0)}, str(path / "trainable.safetensors"))
+    verify_checkpoint(path)  # the listed files are intact
+    with pytest.warns(CheckpointWarning, match=r"\['trainable.safetensors'\] are not listed in the checkpoint"):
+        load_checkpoint(path, model=b[0])
+    assert torch.equal(b[0].model.norm.weight, before)
+
+
+def test_a_second_writer_on_a_root_is_refused_naming_the_holder(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    code = ("import sys; from ftlib.checkpoint import Checkpointer; ck = Checkpointer(sys.argv[1]); "
+            "print('ready', flush=True); sys.stdin.readline(); ck.close()")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(CheckpointError, match=rf"another writer holds this checkpoint root \(pid {holder.pid} "
+                                                  rf"on host '{socket.gethostname()}'"):
+            Checkpointer(tmp_path)
+        with pytest.raises(CheckpointError, match="another writer"):
+            save_checkpoint(tmp_path, 1, model=_parts()[0])
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert holder.returncode == 0
+    assert not (tmp_path / ".lock").exists()  # released by close()
+    with Checkpointer(tmp_path):  # free again
+        with pytest.raises(CheckpointError, match=f"pid {os.getpid()}"):
+            Checkpointer(tmp_path)  # a second live writer in this process too
+    ck = Checkpointer(tmp_path, background=False)
+    ck.close()
+    ck.save(1, model=_parts()[0])  # saving after close() takes the lock again ...
+    with pytest.raises(CheckpointError, match="another writer"):
+        Checkpointer(tmp_path)
+    ck.close()  # ... and close() gives it back
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_a_stale_lock_is_taken_over_and_another_hosts_lock_is_not(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock = tmp_path / ".lock"
+    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "earlier"}))
+    with pytest.warns(CheckpointWarning, match=f"took over a stale lock .*pid {dead.pid}.*has exited"):
+        ck = Checkpointer(tmp_path)
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    ck.close()
+    assert not lock.exists()
+    lock.write_text(json.dumps({"pid": 1, "host": "some-other-node", "started": "earlier"}))
+    with pytest.raises(CheckpointError, match=f"pid 1 on host 'some-other-node'.*delete {lock}"):
+        Checkpointer(tmp_path)
+    assert json.loads(lock.read_text())["host"] == "some-other-node"  # never removed by the refused writer
+
+
+def test_a_step_directory_copied_to_another_name_is_refused(tmp_path):
+    import shutil
+
+    a = _parts()
+    save_checkpoint(tmp_path, 2, model=a[0])
+    shutil.copytree(tmp_path / "step-00000002", tmp_path / "step-00000005")
+    with pytest.warns(CheckpointWarning, match=r"step-00000005.*marker records step 2 \(copied or renamed"):
+        assert latest_checkpoint(tmp_path).name == "step-00000002"
+    with pytest.raises(CheckpointError, match="named for step 5 but its marker records step 2"):
+        load_checkpoint(tmp_path / "step-00000005", model=a[0])
+    assert [s for s, _, _ in list_checkpoints(tmp_path)] == [2]
+    shutil.copytree(tmp_path / "step-00000002", tmp_path / "backup")  # a copy under another kind of name loads
+    assert load_checkpoint(tmp_path / "backup", model=a[0]).step == 2
+
+
+def test_rotation_unlinks_symlinked_step_directories_and_leaves_no_dangling_link(tmp_path):
+    a = _parts()
+    elsewhere = save_checkpoint(tmp_path / "elsewhere", 3, model=a[0])
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "step-00000003").symlink_to(elsewhere, target_is_directory=True)
+    ck = Checkpointer(root, keep=1, background=False)
+    ck.save(4, model=a[0])
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-00000004"]
+    verify_checkpoint(elsewhere)  # the link went, what it pointed to is untouched
+    (root / "step-00000002").symlink_to(elsewhere, target_is_directory=True)  # copied/renamed: never resumed
+    (root / "step-00000001").symlink_to(tmp_path / "gone", target_is_directory=True)  # already dangling
+    ck.save(5, model=a[0])
+    ck.close()
+    names = sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
+    assert names == ["step-00000002", "step-00000005"]  # a failing one is left for inspection, as a link
+    import shutil
+
+    shutil.rmtree(elsewhere)  # its target rotated away elsewhere: the next rotation removes the dangling link
+    save_checkpoint(root, 6, model=a[0], keep=1)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-00000006"]
+
+
+def test_a_refused_adapter_names_each_differing_field(tmp_path):
+    a = _parts()
+    path = save_checkpoint(tmp_path, 1, model=a[0])
+    other = LlamaForCausalLM(LlamaConfig(**CFG))
+    apply_lora(other, LoRAConfig(r=8, alpha=16, use_rslora=True, target_modules="all-linear"), verbose=False)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path, model=other)
+    msg = str(e.value)
+    assert "adapter does not fit" in msg and "r 4 -> 8" in msg and "lora_alpha 8 -> 16" in msg, msg
+    assert "use_rslora False -> True" in msg and "{" not in msg, msg  # fields, not two dumped dicts
+
+
+def _fallen_back(to, tmp_path):
+    """A TrainOptimizer (fp16, fallback ``to``) that fell back on its first overflow, saved at step 2."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = TrainOptimizer(make_adamw([{"params": list(model.parameters())}], lr=1e-2), precision="fp16",
+                         fallback=to, fallback_after=1, fallback_window=4)
+    for overflow in (True, False):
+        opt.backward((model(torch.ones(2, 4)) ** 2).sum(), 6)
+        if overflow:
+            model.weight.grad[0, 0] = float("inf")
+        opt.step()
+    assert opt.precision == to and opt.fell_back_at == 1
+    return model, save_checkpoint(tmp_path, 2, model=model, optimizer=opt)
+
+
+def test_a_fallen_back_run_resumes_and_without_fallback_the_refusal_says_what_to_pass(tmp_path):
+    model, path = _fallen_back("bf16", tmp_path)
+    plain = TrainOptimizer(make_adamw([{"params": list(model.parameters())}], lr=1e-2), precision="fp16")
+    with pytest.raises(CheckpointError, match=r"saved with precision='bf16': the run started in fp16 and fell back "
+                                              r"to bf16 at step 1.*precision='fp16', fallback='bf16'"):
+        load_checkpoint(path, model=model, optimizer=plain, rng=False)
+    ok = TrainOptimizer(make_adamw([{"params": list(model.parameters())}], lr=1e-2), precision="fp16",
+                        fallback="bf16", fallback_after=1, fallback_window=4)
+    load_checkpoint(path, model=model, optimizer=ok, rng=False)
+    assert (ok.precision, ok.fell_back_at, ok.scaler, ok.steps, ok.skipped_steps) == ("bf16", 1, None, 1, 1)

@@ -12,7 +12,8 @@
     export_merged(train_model, "runs/x/merged")                 # HF format, one layer at a time
 
 Modules: ``sharding`` (``shard_model``, ``wrap_ddp``, ``device_mesh``, ``init_distributed``),
-``checkpoint`` (``ShardedCheckpointer``, ``load_sharded_checkpoint``), ``export``
+``checkpoint`` (``ShardedCheckpointer``, built on ``ftlib.checkpoint``'s format; ``load_sharded_checkpoint``
+is ``ftlib.checkpoint.load_checkpoint``, which reads either kind on any number of ranks), ``export``
 (``export_adapter``, ``export_merged``), ``memory`` (``estimate_memory``; the CLI
 ``python -m ftlib.distributed memory --model config.json --gpus 8 --lora-r 16 --qlora``).
 """

@@ -27,14 +27,13 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .._dist import from_rank0, get_rank
+from ..checkpoint.local import unwrap
+from ..checkpoint.sharded import causal_lm
+
 __all__ = ["export_adapter", "export_merged"]
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _is_dtensor(t) -> bool:
@@ -70,12 +69,15 @@ def _resharded(model: nn.Module) -> None:
 
 
 def _lora_model(model: nn.Module) -> nn.Module:
-    from ..lora.apply import _CONFIG_ATTR
+    from ..lora import get_lora_config
 
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    inner = unwrap(model)
     for mod in inner.modules():
-        if getattr(mod, _CONFIG_ATTR, None) is not None:
-            return mod
+        try:
+            get_lora_config(mod)
+        except ValueError:
+            continue
+        return mod
     raise ValueError("the model has no LoRA adapters (ftlib.lora.apply_lora was not applied)")
 
 
@@ -106,7 +108,7 @@ def save_adapter_gathered(lm: nn.Module, path: str | os.PathLike, **save_kw) -> 
     from ..lora.peft_io import _adapter_params
 
     with _gathered(lm, set(_adapter_params(lm))):
-        if _rank() == 0:
+        if get_rank() == 0:
             save_adapter(lm, path, **save_kw)
 
 
@@ -116,11 +118,9 @@ def export_adapter(model: nn.Module, path: str | os.PathLike, **save_kw) -> Path
     Collective: call on every rank. Keyword arguments go to ``ftlib.lora.save_adapter``
     (``base_model_name_or_path``, ``task_type``). Returns ``path`` on every rank once the files exist.
     """
-    from .checkpoint import _Comm
-
     _resharded(model)
     save_adapter_gathered(_lora_model(model), path, **save_kw)
-    _Comm(None).from_rank0(None)  # every rank returns once rank 0 has written
+    from_rank0(None)  # every rank returns once rank 0 has written
     return Path(path)
 
 
@@ -145,14 +145,12 @@ def export_merged(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dty
     from ..lora.layers import LoRALinear
     from ..lora.nf4 import NF4Linear
     from ..models import LlamaForCausalLM, save_pretrained
-    from .checkpoint import _causal_lm, _Comm
-
     _resharded(model)
-    lm, _ = _causal_lm(model)
+    lm, _ = causal_lm(model)
     config = getattr(lm, "config", None)
     if not hasattr(config, "to_hf_dict"):
         raise ValueError("export_merged: no causal LM with a Hugging Face config inside the model")
-    rank = _rank()
+    rank = get_rank()
     sharded = any(_is_dtensor(p) for p in lm.parameters())
     names: list[str] = []
     if rank == 0 or sharded:
@@ -195,7 +193,7 @@ def export_merged(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dty
                 raise RuntimeError(f"export_merged: no value for {left[:5]} (a module ftlib cannot merge?)")
             names = save_pretrained(out, path, max_shard_size=max_shard_size)
             del out
-    return _Comm(None).from_rank0(names)  # also the barrier: the files exist when it returns
+    return from_rank0(names)  # also the barrier: the files exist when it returns
 
 
 def _walk(module: nn.Module, prefix: str, leaves: tuple):

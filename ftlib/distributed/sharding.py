@@ -56,6 +56,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._dist import get_local_rank, get_rank, get_world_size, is_distributed
+
 __all__ = [
     "DistEnv",
     "decoder_blocks",
@@ -93,7 +95,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     is initialised and the result says rank 0 of 1.
     """
     cuda = torch.cuda.is_available()
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    local = get_local_rank()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return DistEnv(0, 1, 0, torch.device("cuda") if cuda else device)
@@ -102,19 +104,19 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     if not dist.is_initialized():
         kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
         dist.init_process_group(backend or ("cpu:gloo,cuda:nccl" if cuda else "gloo"), **kw)
-    return DistEnv(dist.get_rank(), dist.get_world_size(), local, device)
+    return DistEnv(get_rank(), get_world_size(), local, device)
 
 
 def is_rank0() -> bool:
     """True on global rank 0 (and in a process without torch.distributed)."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return get_rank() == 0
 
 
 def _need_dist(what: str) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         raise RuntimeError(f"{what} needs torch.distributed: launch with torchrun and call "
                            "ftlib.distributed.init_distributed() first")
-    return dist.get_world_size()
+    return get_world_size()
 
 
 def _device_type() -> str:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from _dist_common import ACCUM, SAVE_AT, STEPS, build, full_value, has_lora, parts, saved_weights, train
 from safetensors.torch import save_file
 
+from ftlib._dist import all_gather_json
 from ftlib.distributed import (
     ShardedCheckpointer,
     device_mesh,
@@ -31,11 +32,10 @@ from ftlib.distributed import (
     shard_model,
     wrap_ddp,
 )
-from ftlib.distributed.checkpoint import _Comm
 
 
 def gathered(obj):
-    return _Comm(None).all_gather_json(obj)
+    return all_gather_json(obj)
 
 
 def write(out: Path, name: str, obj) -> None:

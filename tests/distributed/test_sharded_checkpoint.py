@@ -166,16 +166,16 @@ def test_what_does_not_fit_is_named(tmp_path):
     apply_lora(other.model, LoRAConfig(r=5, alpha=8, target_modules="all-linear"), verbose=False)
     with pytest.raises(CheckpointError, match=r"lora_A.weight has shape \[3, 32\] in the checkpoint, \[5, 32\] here"):
         load_sharded_checkpoint(tmp_path / "lora", model=other, rng=False)
-    with pytest.raises(CheckpointError, match="load it with ftlib.distributed.load_sharded_checkpoint"):
-        load_checkpoint(tmp_path / "lora")
+    # one load_checkpoint reads either kind: the sharded checkpoint in one process (it used to refuse it)
+    assert load_checkpoint(tmp_path / "lora", model=build("lora"), rng=False).step == 1
     module = build("lora")
     opt, sched, clip, loader = parts("lora", module, 0, 1)
     with pytest.raises(CheckpointError, match="no clipper state was saved"):
         load_sharded_checkpoint(tmp_path / "lora", model=module, clipper=clip, rng=False)
-    # a one-process checkpoint of ftlib.checkpoint is refused with the loader to use
-    Checkpointer(tmp_path / "single", background=False).save(1, model=module.model)
-    with pytest.raises(CheckpointError, match="load it with ftlib.checkpoint.load_checkpoint"):
-        load_sharded_checkpoint(tmp_path / "single", model=module)
+    # and a one-process checkpoint through the distributed name (the same function; it used to refuse it)
+    with Checkpointer(tmp_path / "single", background=False) as ck:
+        ck.save(1, model=module.model)
+    assert load_sharded_checkpoint(tmp_path / "single", model=module.model).step == 1
 
 
 def test_loader_position_needs_the_same_global_batch(tmp_path):
@@ -196,3 +196,54 @@ def test_loader_position_needs_the_same_global_batch(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same world size: RNG restored without a warning
         load_sharded_checkpoint(tmp_path, loader=parts("lora", module, 0, 1)[3])
+
+
+def _fp16_fell_back(module):
+    """A TrainOptimizer (fp16, fallback fp32) over ``module``'s trainable weights, fallen back on its first overflow."""
+    from ftlib.optim import TrainOptimizer, make_adamw, param_groups
+
+    opt = TrainOptimizer(make_adamw(param_groups(module.model, lr=1e-2), lr=1e-2), precision="fp16", fallback="fp32",
+                         fallback_after=1, fallback_window=4)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    for overflow in (True, False):
+        opt.backward(sum((p.float() ** 2).sum() for p in trainable), 10)
+        if overflow:
+            trainable[0].grad.view(-1)[0] = float("inf")
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("loader", ["load_checkpoint", "load_sharded_checkpoint"])
+def test_a_run_whose_fp16_fell_back_resumes_from_a_sharded_checkpoint(tmp_path, loader):
+    """Issue 20, bug 2: the sharded path restores the TrainOptimizer through its own load_state_dict."""
+    module = build("lora")
+    opt = _fp16_fell_back(module)
+    assert (opt.precision, opt.fell_back_at, opt.steps, opt.skipped_steps) == ("fp32", 1, 1, 1)
+    save_sharded_checkpoint(tmp_path, 2, model=module, optimizer=opt)
+    fresh = build("lora")
+    from ftlib.optim import TrainOptimizer, make_adamw, param_groups
+
+    opt2 = TrainOptimizer(make_adamw(param_groups(fresh.model, lr=1e-2), lr=1e-2), precision="fp16", fallback="fp32",
+                          fallback_after=1, fallback_window=4)
+    load = load_checkpoint if loader == "load_checkpoint" else load_sharded_checkpoint
+    load(tmp_path, model=fresh, optimizer=opt2, rng=False)
+    assert (opt2.precision, opt2.fell_back_at, opt2.scaler, opt2.steps, opt2.skipped_steps) == ("fp32", 1, None, 1, 1)
+    assert opt2.state_dict()["fallback"] == opt.state_dict()["fallback"]
+    want, got = opt.optimizer.state_dict()["state"], opt2.optimizer.state_dict()["state"]
+    assert want.keys() == got.keys() and all(torch.equal(want[i][k], got[i][k]) for i in want for k in want[i])
+
+
+def test_a_shard_file_copied_in_after_the_save_is_not_read(tmp_path):
+    module = build("full")
+    save_sharded_checkpoint(tmp_path, 1, model=module, rng=False)
+    shards = tmp_path / step_dir_name(1) / SHARDS
+    [real] = list(shards.iterdir())
+    stray = load_file(real)
+    from safetensors.torch import save_file
+
+    save_file({k: torch.full_like(v, 5.0) for k, v in stray.items()}, str(shards / "shard-00002-model-00001-of-00001.safetensors"))
+    fresh = build("full")
+    with pytest.warns(CheckpointWarning, match="shard-00002-model-00001-of-00001.safetensors'] are not listed"):
+        load_checkpoint(tmp_path, model=fresh, rng=False)
+    want, got = saved_weights(module), saved_weights(fresh)
+    assert all(torch.equal(want[k], got[k]) for k in want)
