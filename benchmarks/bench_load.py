@@ -37,14 +37,14 @@ model = load_pretrained(path, dtype=torch.bfloat16)
     "safe_open": """
 from safetensors import safe_open
 from ftlib.models import LlamaForCausalLM, load_config
-from ftlib.models.hub import _set_tensor
+from ftlib.models.hub import set_tensor
 import glob
 with torch.device("meta"):
     model = LlamaForCausalLM(load_config(path))
 for f in sorted(glob.glob(path + "/*.safetensors")):
     with safe_open(f, framework="pt") as st:
         for k in st.keys():
-            _set_tensor(model, k, st.get_tensor(k).to(torch.bfloat16))
+            set_tensor(model, k, st.get_tensor(k).to(torch.bfloat16))
 model.tie_weights()
 """,
     "naive": """

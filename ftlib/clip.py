@@ -61,11 +61,11 @@ import torch
 from torch import nn
 
 __all__ = [
+    "AGCClipper",
     "ClipStats",
     "GlobalNormClipper",
-    "ZScoreClipper",
-    "AGCClipper",
     "PerLayerClipper",
+    "ZScoreClipper",
     "grad_norm",
     "named_grads",
 ]
@@ -152,7 +152,7 @@ def _dtensor_cls():
     return DTensor
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor itself otherwise); in-place edits reach it."""
     cls = _dtensor_cls()
     return t._local_tensor if cls is not None and isinstance(t, cls) else t
@@ -187,7 +187,7 @@ def _all_reduce_mesh(x: torch.Tensor, mesh, mesh_dims, op) -> None:
 
 def _norm_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     """Accumulation dtype of a norm: float32, or float64 when any tensor is float64 (no narrowing)."""
-    return torch.float64 if any(_local(t).dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.float64 if any(local_tensor(t).dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _local_contributions(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -196,12 +196,12 @@ def _local_contributions(grads: list[torch.Tensor], norm_type: float) -> torch.T
     float32, or float64 when any gradient is float64. One ``_foreach_norm`` per (device, dtype) bucket.
     """
     inf = math.isinf(norm_type)
-    out_device = _local(grads[0]).device
+    out_device = local_tensor(grads[0]).device
     acc = _norm_dtype(grads)
     out = torch.empty(len(grads), device=out_device, dtype=acc)
     buckets: dict = defaultdict(list)
     for i, g in enumerate(grads):
-        loc = _local(g)
+        loc = local_tensor(g)
         buckets[(loc.device, loc.dtype)].append((i, loc))
     for (_, dtype), items in buckets.items():
         norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -278,7 +278,7 @@ def _check_norm_type(value: float) -> float:
 def _scale_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
     by_device: dict = defaultdict(list)
     for g in grads:
-        loc = _local(g)
+        loc = local_tensor(g)
         by_device[loc.device].append(loc)
     for device, ts in by_device.items():
         torch._foreach_mul_(ts, scale.to(device))
@@ -412,7 +412,7 @@ def _unit_sq_norms(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     float32, or float64 for a float64 tensor.
     """
-    loc = _local(t)
+    loc = local_tensor(t)
     dtype = _norm_dtype([loc])
     if t.ndim >= 2:
         reduced_dims = list(range(1, t.ndim))
@@ -463,7 +463,7 @@ class AGCClipper(_Stateless):
         named = [(n, p) for n, p in every if not any(r.search(n) for r in self.exclude)]
         left = [p.grad for n, p in every if any(r.search(n) for r in self.exclude)]
         grads = [p.grad for _, p in named]
-        device = _local(every[0][1].grad).device
+        device = local_tensor(every[0][1].grad).device
         acc = _norm_dtype([p.grad for _, p in every])
         before_c, after_c, min_scales = [], [], []
         with torch.no_grad():
@@ -472,7 +472,7 @@ class AGCClipper(_Stateless):
                 g_local_sq, g_sq = _unit_sq_norms(p.grad)
                 max_norm = self.clipping * torch.clamp(w_norm, min=self.eps)
                 scale = torch.clamp(max_norm / torch.clamp(g_sq.sqrt(), min=_EPS), max=1.0)  # [units]
-                g = _local(p.grad)
+                g = local_tensor(p.grad)
                 g.mul_(scale.reshape((-1,) + (1,) * (g.ndim - 1)).to(g.dtype) if p.ndim >= 2 else scale[0].to(g.dtype))
                 info = _placement_info(p.grad)
                 replicas = 1 if info is None else info[1]

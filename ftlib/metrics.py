@@ -57,9 +57,9 @@ from torch import nn
 from ._atomic import atomic_write
 
 __all__ = [
-    "PEAK_TFLOPS",
     "FlopsModel",
     "MetricsLogger",
+    "PEAK_TFLOPS",
     "TokenStats",
     "device_peak_flops",
     "peak_memory_bytes",

@@ -72,10 +72,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ftlib.clip import _local, grad_norm
+from ftlib.clip import grad_norm, local_tensor
 from ftlib.nan_trace import NanTrace
 
-__all__ = ["param_groups", "make_adamw", "StepResult", "TrainOptimizer", "resolve_precision"]
+__all__ = ["StepResult", "TrainOptimizer", "make_adamw", "param_groups", "resolve_precision"]
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _FALLBACKS = ("bf16", "fp32")
@@ -262,7 +262,7 @@ class TrainOptimizer:
         first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         if first is None:
             raise ValueError("optimizer has no parameters")
-        self.device_type = _local(first).device.type
+        self.device_type = local_tensor(first).device.type
         if precision == "auto":
             precision, fallback = resolve_precision(self.device_type, fallback)
         self._init_fallback(precision, fallback, fallback_after, fallback_window)
@@ -402,7 +402,7 @@ class TrainOptimizer:
 
         if self._world() > 1 and dist.get_backend(self.process_group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
-        return _local(self.optimizer.param_groups[0]["params"][0]).device
+        return local_tensor(self.optimizer.param_groups[0]["params"][0]).device
 
     def backward(self, loss_sum: torch.Tensor, num_tokens) -> None:
         """Back-propagate one micro-batch's summed token loss; count its target tokens."""
@@ -444,7 +444,7 @@ class TrainOptimizer:
             by_bucket: dict = {}
             for _, p in self._params():
                 if p.grad is not None:
-                    g = _local(p.grad)
+                    g = local_tensor(p.grad)
                     by_bucket.setdefault((g.device, g.dtype == torch.float64), []).append(g)
             for (device, f64), grads in by_bucket.items():
                 torch._foreach_mul_(grads, factor.to(device, torch.float64 if f64 else torch.float32))

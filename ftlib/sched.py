@@ -46,7 +46,13 @@ from collections import deque
 import torch
 
 __all__ = [
-    "WarmupDecay", "WSD", "CosineRestarts", "PlateauCosine", "ReduceOnPlateau", "LRScheduler", "resolve_warmup",
+    "CosineRestarts",
+    "LRScheduler",
+    "PlateauCosine",
+    "ReduceOnPlateau",
+    "WSD",
+    "WarmupDecay",
+    "resolve_warmup",
 ]
 
 _DECAYS = ("cosine", "linear", "constant")

@@ -53,11 +53,11 @@ from .lock import RootLock
 from .verify import latest_checkpoint, verify_checkpoint
 
 __all__ = [
-    "MARKER",
     "Checkpoint",
     "CheckpointError",
     "CheckpointWarning",
     "Checkpointer",
+    "MARKER",
     "RootLock",
     "best_checkpoint",
     "latest_checkpoint",

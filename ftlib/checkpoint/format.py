@@ -50,6 +50,8 @@ import numpy as np
 import torch
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointWarning",
     "FORMAT",
     "MARKER",
     "MODEL_TENSORS",
@@ -59,8 +61,6 @@ __all__ = [
     "STATE_TENSORS",
     "TRAINABLE_TENSORS",
     "VERSION",
-    "CheckpointError",
-    "CheckpointWarning",
     "best_checkpoint",
     "decode",
     "encode",
@@ -282,7 +282,7 @@ def file_record(path: Path) -> dict:
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file; a malformed file raises ``CheckpointError`` naming it."""
-    from ..models._safetensors_io import SafetensorsReader
+    from ..models import SafetensorsReader
 
     try:
         with SafetensorsReader(path) as r:

@@ -88,17 +88,17 @@ def _model_files(model: nn.Module, base_model_name_or_path: str | None) -> tuple
     cfg = lora_config(model)
     if cfg is not None:
         from ..lora.peft_io import (
-            _PREFIX,
             ADAPTER_CONFIG,
             ADAPTER_WEIGHTS,
-            _adapter_params,
-            _model_name_or_path,
+            PEFT_PREFIX,
+            adapter_params,
+            model_name_or_path,
         )
 
-        adapter = _adapter_params(model)
+        adapter = adapter_params(model)
         targets = cfg.target_modules if isinstance(cfg.target_modules, str) else sorted(set(cfg.target_modules))
-        peft = cfg.to_peft_dict(targets, base_model_name_or_path or _model_name_or_path(model), None)
-        files = {ADAPTER_WEIGHTS: {_PREFIX + k: p for k, p in adapter.items()}}
+        peft = cfg.to_peft_dict(targets, base_model_name_or_path or model_name_or_path(model), None)
+        files = {ADAPTER_WEIGHTS: {PEFT_PREFIX + k: p for k, p in adapter.items()}}
         in_adapter = {id(p) for p in adapter.values()}
         others = {n: p for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_adapter}
         if others:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["pad_collate", "collate_packed", "doc_labels", "length_grouped_batches", "padding_fraction"]
+__all__ = ["collate_packed", "doc_labels", "length_grouped_batches", "pad_collate", "padding_fraction"]
 
 
 def doc_labels(ids: np.ndarray, mask: np.ndarray, loss: bool = True) -> np.ndarray:

@@ -37,7 +37,7 @@ import numpy as np
 
 from .collate import collate_packed  # re-export: packed rows -> batch lives beside pad_collate
 
-__all__ = ["PackPlan", "PackStats", "pack", "bfd_assign", "collate_packed", "cpp_available"]
+__all__ = ["PackPlan", "PackStats", "bfd_assign", "collate_packed", "cpp_available", "pack"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # A source checkout has <repo>/csrc; an installed wheel carries the same files as ftlib/_csrc.

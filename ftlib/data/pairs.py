@@ -66,8 +66,17 @@ from .cache import CacheError, TokenCache, build_cache
 from .formatting import BUILTIN_TEMPLATES, FormatConfig, Formatter
 from .pretruncate import encode_bounded
 
-__all__ = ["PairConfig", "PairDoc", "PairFormatter", "PairCache", "build_pair_cache", "open_pair_cache",
-           "LOSS_BIT", "CHOSEN_BIT", "REJECTED_BIT"]
+__all__ = [
+    "CHOSEN_BIT",
+    "LOSS_BIT",
+    "PairCache",
+    "PairConfig",
+    "PairDoc",
+    "PairFormatter",
+    "REJECTED_BIT",
+    "build_pair_cache",
+    "open_pair_cache",
+]
 
 LOSS_BIT, CHOSEN_BIT, REJECTED_BIT = 1, 2, 4
 _LENGTHS = ("prompt_len", "chosen_len", "rejected_len")

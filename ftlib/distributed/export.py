@@ -105,9 +105,9 @@ def _gathered(module: nn.Module, names: set[str] | None = None):
 def save_adapter_gathered(lm: nn.Module, path: str | os.PathLike, **save_kw) -> None:
     """``save_adapter(lm, path)`` on rank 0 with the adapter gathered; collective."""
     from ..lora import save_adapter
-    from ..lora.peft_io import _adapter_params
+    from ..lora.peft_io import adapter_params
 
-    with _gathered(lm, set(_adapter_params(lm))):
+    with _gathered(lm, set(adapter_params(lm))):
         if get_rank() == 0:
             save_adapter(lm, path, **save_kw)
 

@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("ftlib.lora")
-_CONFIG_ATTR = "_ftlib_lora_config"
+LORA_CONFIG_ATTR = "_ftlib_lora_config"
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-def _names_by_param(model: nn.Module) -> dict[int, list[str]]:
+def names_by_param(model: nn.Module) -> dict[int, list[str]]:
     """``{id(parameter): every name it has in model}`` (a tied weight has several)."""
     names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
@@ -91,7 +91,7 @@ def _names_by_param(model: nn.Module) -> dict[int, list[str]]:
 
 def _tied_outside(model: nn.Module, module_name: str) -> dict[str, list[str]]:
     """``{parameter name inside module_name: [its names outside that module]}`` for its tied weights."""
-    names = _names_by_param(model)
+    names = names_by_param(model)
     out = {}
     for pname, p in model.get_submodule(module_name).named_parameters(remove_duplicate=False):
         others = [n for n in names[id(p)] if not n.startswith(module_name + ".")]
@@ -117,7 +117,7 @@ def get_lora_config(model: nn.Module) -> LoRAConfig:
     could otherwise come first and shadow a changed layer). ``save_adapter`` writes this config, so
     the file describes the tensors beside it.
     """
-    cfg = getattr(model, _CONFIG_ATTR, None)
+    cfg = getattr(model, LORA_CONFIG_ATTR, None)
     if cfg is None:
         raise ValueError("model has no LoRA adapters: call ftlib.lora.apply_lora(model, config) first")
     layers = list(lora_layers(model))
@@ -183,7 +183,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
     Raises ValueError when a target or ``modules_to_save`` pattern matches nothing, TypeError
     when a matched module is not a linear layer, RuntimeError when the model is already adapted.
     """
-    if any(True for _ in lora_layers(model)) or getattr(model, _CONFIG_ATTR, None) is not None:
+    if any(True for _ in lora_layers(model)) or getattr(model, LORA_CONFIG_ATTR, None) is not None:
         raise RuntimeError("apply_lora: model already has LoRA adapters (one adapter per model)")
     config, targets, save_names = plan_lora(model, config)
 
@@ -239,7 +239,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
             if p.is_floating_point():
                 p.requires_grad_(True)
     _untie_config(model, "apply_lora")
-    object.__setattr__(model, _CONFIG_ATTR, config)
+    object.__setattr__(model, LORA_CONFIG_ATTR, config)
     if verbose:
         log.info("apply_lora: %d layers adapted; %s", n_targets, count_params(model))
     return model
@@ -309,7 +309,7 @@ def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
     layers = [layer for _, layer in lora_layers(model)]
     if any(layer.merged for layer in layers):
         raise RuntimeError("disable_adapters: adapters are merged into the base weights; call unmerge_lora first")
-    cfg = getattr(model, _CONFIG_ATTR, None)
+    cfg = getattr(model, LORA_CONFIG_ATTR, None)
     if cfg is not None and cfg.modules_to_save:
         warnings.warn(
             f"disable_adapters: modules_to_save {cfg.modules_to_save} are trained in place and keep their "
@@ -354,8 +354,8 @@ def merge_and_unload(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
                 for key, b in mod._buffers.items():
                     if b is not None and b.is_floating_point() and key not in mod._non_persistent_buffers_set:
                         mod._buffers[key] = b.to(dtype)
-    if getattr(model, _CONFIG_ATTR, None) is not None:
-        object.__delattr__(model, _CONFIG_ATTR)
+    if getattr(model, LORA_CONFIG_ATTR, None) is not None:
+        object.__delattr__(model, LORA_CONFIG_ATTR)
     _untie_config(model, "merge_and_unload")
     return model
 

@@ -38,14 +38,14 @@ from torch import nn
 from .._atomic import atomic_write
 from .._fields import json_str
 from ._match import matches_any
-from .apply import _CONFIG_ATTR, _names_by_param, apply_lora, get_lora_config, lora_layers, plan_lora
+from .apply import LORA_CONFIG_ATTR, apply_lora, get_lora_config, lora_layers, names_by_param, plan_lora
 from .config import LoRAConfig
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_state_dict", "load_adapter", "save_adapter"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -56,14 +56,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors under PEFT's keys (CPU copies)."""
-    return {_PREFIX + k: _full(p) for k, p in _adapter_params(model).items()}
+    return {PEFT_PREFIX + k: _full(p) for k, p in adapter_params(model).items()}
 
 
 def _saved_module_names(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     return [n for n, _ in model.named_modules() if n and matches_any(n, cfg.modules_to_save)]
 
 
-def _model_name_or_path(model: nn.Module) -> str | None:
+def model_name_or_path(model: nn.Module) -> str | None:
     for obj in (model, getattr(model, "config", None)):
         for attr in ("name_or_path", "_name_or_path"):
             v = getattr(obj, attr, None) if obj is not None else None
@@ -95,7 +95,7 @@ def save_adapter(
         targets: list[str] | str = cfg.target_modules
     else:
         targets = sorted(set(cfg.target_modules))
-    d = cfg.to_peft_dict(targets, base_model_name_or_path or _model_name_or_path(model), task_type)
+    d = cfg.to_peft_dict(targets, base_model_name_or_path or model_name_or_path(model), task_type)
     atomic_write(path / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     text = json.dumps(d, indent=2, sort_keys=True) + "\n"
     atomic_write(path / ADAPTER_CONFIG, lambda p: p.write_text(text))
@@ -149,7 +149,7 @@ def load_adapter(
         raise FileNotFoundError(f"{wfile}: adapter weights not found{other}")
     if check_base:
         want = json_str(d, "base_model_name_or_path", str(path / ADAPTER_CONFIG), default=None, nullable=True)
-        have = _model_name_or_path(model)
+        have = model_name_or_path(model)
         if want and have and not _same_base(want, have):
             msg = (f"{path / ADAPTER_CONFIG}: adapter was trained on base {want!r} but the model is {have!r} "
                    "(pass check_base=False to load anyway)")
@@ -160,7 +160,7 @@ def load_adapter(
                 raise ValueError(msg)
 
     # expected key -> shape, from the adapted model or from what apply_lora would build
-    existing = getattr(model, _CONFIG_ATTR, None)
+    existing = getattr(model, LORA_CONFIG_ATTR, None)
     if existing is None:
         try:
             resolved, targets, save_names = plan_lora(model, cfg)
@@ -172,7 +172,7 @@ def load_adapter(
         aliases: dict[str, str] = {}  # name -> the first name of its (tied) tensor
         # "<target>.base_layer.<p>" -> (the model's tensor or None, whether a different one can be loaded)
         bases: dict[str, tuple[torch.Tensor | None, bool]] = {}
-        names = _names_by_param(model)
+        names = names_by_param(model)
         for name, mod in targets:
             r = resolved.rank_for(name)
             shapes[f"{name}.lora_A.weight"] = (r, mod.in_features)
@@ -201,7 +201,7 @@ def load_adapter(
         if diff:
             raise ValueError(f"{path / ADAPTER_CONFIG}: the adapter differs from the one the model has "
                              f"(model -> file): {'; '.join(diff)}")
-        params = _adapter_params(model)
+        params = adapter_params(model)
         shapes = {k: tuple(p.shape) for k, p in params.items()}
         first: dict[int, str] = {}
         aliases = {k: first.setdefault(id(p), k) for k, p in params.items()}
@@ -214,9 +214,9 @@ def load_adapter(
         with safe_open(str(wfile), framework="pt") as f:
             loaded = {}
             for key in f.keys():
-                if not key.startswith(_PREFIX):
-                    raise ValueError(f"{wfile}: key {key!r} lacks PEFT's {_PREFIX!r} prefix")
-                k = key[len(_PREFIX):]
+                if not key.startswith(PEFT_PREFIX):
+                    raise ValueError(f"{wfile}: key {key!r} lacks PEFT's {PEFT_PREFIX!r} prefix")
+                k = key[len(PEFT_PREFIX):]
                 if k.endswith("lora_magnitude_vector.weight"):  # PEFT < 0.12 layout
                     k = k[: -len(".weight")]
                 loaded[k] = f.get_tensor(key)
@@ -228,29 +228,29 @@ def load_adapter(
     missing = sorted({aliases.get(k, k) for k in shapes} - {aliases.get(k, k) for k in loaded})
     if unexpected:
         raise ValueError(f"{wfile}: tensors for modules this model lacks (adapter for another base?): "
-                         f"{[_PREFIX + k for k in unexpected[:5]]}")
+                         f"{[PEFT_PREFIX + k for k in unexpected[:5]]}")
     if missing:
-        raise ValueError(f"{wfile}: missing adapter tensors {[_PREFIX + k for k in missing[:5]]}")
+        raise ValueError(f"{wfile}: missing adapter tensors {[PEFT_PREFIX + k for k in missing[:5]]}")
     for k, t in loaded.items():
         if tuple(t.shape) != shapes[k]:
-            raise ValueError(f"{wfile}: {_PREFIX + k} has shape {tuple(t.shape)}, the model needs "
+            raise ValueError(f"{wfile}: {PEFT_PREFIX + k} has shape {tuple(t.shape)}, the model needs "
                              f"{shapes[k]} (adapter for another base or rank?)")
         a = aliases.get(k, k)
         if a != k and a in loaded and not torch.equal(loaded[a], t):
-            raise ValueError(f"{wfile}: {_PREFIX + a} and {_PREFIX + k} are one tied weight but differ")
+            raise ValueError(f"{wfile}: {PEFT_PREFIX + a} and {PEFT_PREFIX + k} are one tied weight but differ")
     for k, t in list(base_loaded.items()):
         have, loadable = bases[k]
         if have is not None and tuple(t.shape) != tuple(have.shape):
-            raise ValueError(f"{wfile}: {_PREFIX + k} has shape {tuple(t.shape)}, the model's is {tuple(have.shape)}")
+            raise ValueError(f"{wfile}: {PEFT_PREFIX + k} has shape {tuple(t.shape)}, the model's is {tuple(have.shape)}")
         if have is not None and torch.equal(t.to(have.dtype), have.detach()):
             del base_loaded[k]  # the base this adapter was saved with is this model's: nothing to load
         elif not loadable:
-            raise ValueError(f"{wfile}: {_PREFIX + k} differs from this model's base weight, and an NF4 base "
+            raise ValueError(f"{wfile}: {PEFT_PREFIX + k} differs from this model's base weight, and an NF4 base "
                              "cannot take it (load without quantize, or on the base the adapter was trained on)")
     # everything checked: only now change the model
     if existing is None:
         apply_lora(model, cfg)
-    params = _adapter_params(model)
+    params = adapter_params(model)
     layers = dict(lora_layers(model))
     with torch.no_grad():
         for k, t in loaded.items():
@@ -275,7 +275,7 @@ def _same_base(a: str, b: str) -> bool:
     return False
 
 
-def _adapter_params(model: nn.Module) -> dict[str, torch.Tensor]:
+def adapter_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Adapter and ``modules_to_save`` parameters under their PEFT key (without the prefix).
 
     A saved weight still tied to another module (``ensure_weight_tying``) appears under each of
@@ -287,7 +287,7 @@ def _adapter_params(model: nn.Module) -> dict[str, torch.Tensor]:
         out[f"{name}.lora_B.weight"] = layer.lora_B.weight
         if layer.use_dora:
             out[f"{name}.lora_magnitude_vector"] = layer.lora_magnitude_vector
-    names = _names_by_param(model)
+    names = names_by_param(model)
     for mod_name in _saved_module_names(model, get_lora_config(model)):
         for pname, p in model.get_submodule(mod_name).named_parameters():
             out[f"{mod_name}.{pname}"] = p

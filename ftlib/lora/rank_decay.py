@@ -70,7 +70,7 @@ import torch
 from torch import nn
 
 from ._match import pattern_value
-from .apply import _CONFIG_ATTR, get_lora_config, lora_layers
+from .apply import LORA_CONFIG_ATTR, get_lora_config, lora_layers
 from .layers import LoRALinear
 
 __all__ = [
@@ -463,8 +463,8 @@ class RankDecay:
 
     def _update_config(self) -> None:
         # the stored config follows the layers (get_lora_config derives it from their ranks and alphas)
-        if getattr(self.model, _CONFIG_ATTR, None) is not None:
-            object.__setattr__(self.model, _CONFIG_ATTR, get_lora_config(self.model))
+        if getattr(self.model, LORA_CONFIG_ATTR, None) is not None:
+            object.__setattr__(self.model, LORA_CONFIG_ATTR, get_lora_config(self.model))
 
     # -- state ------------------------------------------------------------------------------------
 

@@ -4,11 +4,13 @@
 - ``load_pretrained`` / ``save_pretrained``: config.json + sharded safetensors, loaded tensor by tensor;
 - ``load_tokenizer``: tokenizer.json + special tokens + sandboxed chat template; ``check_vocab``: its ids fit
   the model's embedding;
+- ``SafetensorsReader``: memory-mapped reads of one safetensors file, tensor by tensor;
 - ``generate`` / ``KVCache``: decoding with a cache that lives outside the model;
 - ``LlamaRewardModel`` / ``score`` / ``save_reward_model`` / ``load_reward_model``: a scalar reward head
   in ``transformers``' sequence-classification layout.
 """
 
+from ._safetensors_io import SafetensorsReader
 from .config import LlamaConfig
 from .generate import KVCache, generate, sample_next
 from .hub import load_config, load_pretrained, parse_size, save_pretrained
@@ -26,28 +28,29 @@ from .tokenizer import PretrainedTokenizer, load_tokenizer, render_chat_template
 from .vocab import check_vocab
 
 __all__ = [
+    "KVCache",
     "LlamaConfig",
     "LlamaForCausalLM",
     "LlamaModel",
-    "RMSNorm",
     "LlamaRewardModel",
-    "load_reward_model",
-    "pack_documents",
-    "pairwise_accuracy",
-    "save_reward_model",
-    "score",
-    "KVCache",
+    "PretrainedTokenizer",
+    "RMSNorm",
+    "SafetensorsReader",
+    "apply_rope",
+    "check_vocab",
     "generate",
-    "sample_next",
     "load_config",
     "load_pretrained",
-    "save_pretrained",
-    "parse_size",
+    "load_reward_model",
     "load_tokenizer",
-    "check_vocab",
-    "PretrainedTokenizer",
+    "pack_documents",
+    "pairwise_accuracy",
+    "parse_size",
     "render_chat_template",
-    "apply_rope",
     "rope_cos_sin",
     "rope_inv_freq",
+    "sample_next",
+    "save_pretrained",
+    "save_reward_model",
+    "score",
 ]

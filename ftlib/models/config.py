@@ -31,7 +31,7 @@ from typing import Any
 
 from .._fields import json_bool, json_dict, json_float, json_int, json_int_list, json_str
 
-__all__ = ["LlamaConfig", "ARCHITECTURES"]
+__all__ = ["ARCHITECTURES", "LlamaConfig"]
 
 #: model_type -> the class name written to ``architectures`` in config.json
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}

@@ -55,7 +55,7 @@ from .config import ARCHITECTURES, LlamaConfig
 from .llama import LlamaForCausalLM
 from .tokenizer import load_tokenizer, resolve_model_dir
 
-__all__ = ["load_pretrained", "save_pretrained", "load_tokenizer", "load_config", "parse_size"]
+__all__ = ["load_config", "load_pretrained", "load_tokenizer", "parse_size", "save_pretrained"]
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -66,10 +66,10 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 def load_config(path_or_repo_id: str | os.PathLike) -> LlamaConfig:
     """``LlamaConfig`` from the config.json of a local directory or a hub repo id."""
     root = resolve_model_dir(path_or_repo_id)
-    return _read_config(root / "config.json")
+    return read_config(root / "config.json")
 
 
-def _read_config(path: Path) -> LlamaConfig:
+def read_config(path: Path) -> LlamaConfig:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: config.json not found")
     try:
@@ -106,7 +106,7 @@ def _weight_files(root: Path) -> dict[str, list[str]]:
     raise FileNotFoundError(f"{root}: no {_SINGLE} or {_INDEX} (only safetensors checkpoints are loaded)")
 
 
-def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+def set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     """Install ``value`` as the parameter/buffer ``name`` (replacing a meta tensor)."""
     mod_name, _, attr = name.rpartition(".")
     mod = model.get_submodule(mod_name)
@@ -117,7 +117,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         mod._buffers[attr] = value
 
 
-def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """A torch dtype from a dtype or its name ("bfloat16", "float16", "float32"); None stays None."""
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -126,7 +126,7 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return dtype
 
 
-def _read_weights(model: nn.Module, root: Path, expected: dict[str, torch.Tensor], *, dtype: torch.dtype | None,
+def read_weights(model: nn.Module, root: Path, expected: dict[str, torch.Tensor], *, dtype: torch.dtype | None,
                   device: torch.device, what: str, skip: Callable[[str], bool]) -> dict[str, str]:
     """Read every checkpoint tensor under ``root`` into the meta-built ``model``, one tensor in flight.
 
@@ -154,7 +154,7 @@ def _read_weights(model: nn.Module, root: Path, expected: dict[str, torch.Tensor
                 t = f.read(name).to(device)  # one tensor in flight; on a GPU the cast below runs there
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)
-                _set_tensor(model, name, t)
+                set_tensor(model, name, t)
                 loaded[name] = fname
     return loaded
 
@@ -169,15 +169,15 @@ def load_pretrained(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | str
     cache; no network when already cached). Raises with the file and tensor name
     on a missing or unexpected tensor, a shape mismatch or a corrupt file.
     """
-    dtype, device = _resolve_dtype(dtype), torch.device(device if device is not None else "cpu")
+    dtype, device = resolve_dtype(dtype), torch.device(device if device is not None else "cpu")
     root = resolve_model_dir(path_or_repo_id)
-    config = _read_config(root / "config.json")
+    config = read_config(root / "config.json")
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = dict(model.state_dict(keep_vars=True))
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    loaded = _read_weights(model, root, expected, dtype=dtype, device=device, what=f"a {config.model_type} model",
+    loaded = read_weights(model, root, expected, dtype=dtype, device=device, what=f"a {config.model_type} model",
                            skip=lambda name: name == "lm_head.weight" and config.tie_word_embeddings)
 
     missing = sorted(set(expected) - set(loaded))

@@ -59,12 +59,12 @@ from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = [
     "BatchPlan",
-    "LlamaConfig",
-    "LlamaForCausalLM",
-    "LlamaModel",
-    "LlamaDecoderLayer",
     "LlamaAttention",
+    "LlamaConfig",
+    "LlamaDecoderLayer",
+    "LlamaForCausalLM",
     "LlamaMLP",
+    "LlamaModel",
     "RMSNorm",
 ]
 

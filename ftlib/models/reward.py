@@ -42,13 +42,13 @@ from torch import nn
 from .._atomic import atomic_write
 from .._fields import json_dict, json_int
 from .config import LlamaConfig
-from .hub import _read_config, _read_weights, _resolve_dtype, _set_tensor, save_pretrained
+from .hub import read_config, read_weights, resolve_dtype, save_pretrained, set_tensor
 from .llama import LlamaForCausalLM, LlamaModel
 from .tokenizer import resolve_model_dir
 
 __all__ = [
-    "SEQ_CLS_ARCHITECTURES",
     "LlamaRewardModel",
+    "SEQ_CLS_ARCHITECTURES",
     "last_token_index",
     "load_reward_model",
     "pack_documents",
@@ -259,9 +259,9 @@ def load_reward_model(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | s
                       device: torch.device | str | None = None) -> LlamaRewardModel:
     """Build a ``LlamaRewardModel`` from a sequence-classification checkpoint, or from a causal-LM one
     (its LM head dropped, a new score head initialised; logged). Errors name the file and tensor."""
-    dtype, device = _resolve_dtype(dtype), torch.device(device if device is not None else "cpu")
+    dtype, device = resolve_dtype(dtype), torch.device(device if device is not None else "cpu")
     root = resolve_model_dir(path_or_repo_id)
-    config = _read_config(root / "config.json")
+    config = read_config(root / "config.json")
     source = str(root / "config.json")
     id2label = json_dict(config.extra, "id2label", source, default=None, nullable=True)  # num_labels derives from it
     labels = len(id2label) if id2label else json_int(config.extra, "num_labels", source, default=1, min=1)
@@ -270,14 +270,14 @@ def load_reward_model(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | s
     with torch.device("meta"):
         model = LlamaRewardModel(config, model=LlamaModel(config))
     expected = dict(model.state_dict(keep_vars=True))
-    loaded = _read_weights(model, root, expected, dtype=dtype, device=device,
+    loaded = read_weights(model, root, expected, dtype=dtype, device=device,
                            what=f"a {config.model_type} reward model", skip=lambda name: name == "lm_head.weight")
     if "score.weight" not in loaded:
         ref = loaded.get("model.embed_tokens.weight")
         like = model.model.embed_tokens.weight if ref else None
         w = torch.empty(expected["score.weight"].shape, device=device,
                         dtype=dtype or (like.dtype if like is not None else torch.float32))
-        _set_tensor(model, "score.weight", w.normal_(0.0, config.initializer_range))
+        set_tensor(model, "score.weight", w.normal_(0.0, config.initializer_range))
         loaded["score.weight"] = "(initialised)"
         log.warning("load_reward_model(%s): no score.weight (a causal-LM checkpoint?); the score head is newly "
                     "initialised", root)

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-__all__ = ["rope_inv_freq", "rope_cos_sin", "apply_rope", "rotate_half"]
+__all__ = ["apply_rope", "rope_cos_sin", "rope_inv_freq", "rotate_half"]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> torch.Tensor:
