@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ._dist import get_world_size
 from .losses import causal_lm_loss
 
 __all__ = ["EvalResult", "ExactMatch", "causal_lm_loss", "evaluate", "exact_match"]
@@ -79,10 +80,8 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
             batches += 1
     finally:
         model.train(was_training)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
+    if get_world_size() > 1:
+        torch.distributed.all_reduce(total)
     loss_sum, tokens = total.tolist()
     if tokens == 0:
         raise ValueError("evaluate: the evaluation data holds no target token (labels are all -100)")

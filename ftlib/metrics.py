@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from ._atomic import atomic_write
+from ._dist import comm_device, get_world_size
 
 __all__ = [
     "FlopsModel",
@@ -232,13 +233,11 @@ class TokenStats:
 
     def all_reduce(self) -> TokenStats:
         """Sum over ranks (a no-op unless torch.distributed is initialised); every rank must call it."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if get_world_size() == 1:
             return self
-        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor([self.tokens, self.positions, self.targets, self.attn_pairs], dtype=torch.int64, device=dev)
-        dist.all_reduce(t)
+        t = torch.tensor([self.tokens, self.positions, self.targets, self.attn_pairs], dtype=torch.int64,
+                         device=comm_device())
+        torch.distributed.all_reduce(t)
         return TokenStats(*(int(x) for x in t.tolist()))
 
 

@@ -72,6 +72,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ftlib._dist import get_world_size
 from ftlib.clip import grad_norm, local_tensor
 from ftlib.nan_trace import NanTrace
 
@@ -337,11 +338,7 @@ class TrainOptimizer:
         self._prepared = False
 
     def _world(self) -> int:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size(self.process_group)
-        return 1
+        return get_world_size(self.process_group)
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self._world() > 1:

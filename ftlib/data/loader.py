@@ -60,6 +60,7 @@ import hashlib
 import numpy as np
 import torch
 
+from .._dist import get_rank, get_world_size
 from .collate import length_grouped_batches, pad_collate
 from .packing import collate_packed, pack
 
@@ -67,9 +68,7 @@ __all__ = ["TokenLoader", "UnitLoader", "lengths_sha256"]
 
 
 def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+    return get_rank(), get_world_size()
 
 
 def lengths_sha256(*lengths) -> str:
