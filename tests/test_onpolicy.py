@@ -75,8 +75,14 @@ def test_pairs_never_have_equal_sides_or_held_out_prompts(tok, seed, new_tokens,
              "hash": lambda ps, a: [float(zlib.crc32(x.encode()) % 3) for x in a],
              "constant": lambda ps, a: [1.0] * len(a),
              "random": lambda ps, a: [float(rng.randint(0, 2)) for _ in a]}[scorer]
-    # references: sometimes the same text as what the model tends to say, sometimes whitespace variants
-    refs = [None if i % 3 == 0 else (" red  blue " if i % 3 == 1 else "red blue") for i in range(len(prompts))]
+    # references: often the model's own greedy answer in other whitespace (the same answer: never a pair
+    # against itself, whatever its two scores), else a fixed text or none
+    from ftlib.data import render_chat
+
+    texts = [render_chat(p, "chatml", add_generation_prompt=True, bos_token="", eos_token="<|im_end|>") for p in prompts]
+    greedy = generate_answers(model, tok, texts, max_new_tokens=new_tokens)
+    refs = [None if i % 3 == 0 else (" " + greedy[i].replace(" ", "  ") + " " if i % 3 == 1 else "red blue")
+            for i in range(len(prompts))]
     cfg = OnPolicyConfig(samples=samples, max_new_tokens=new_tokens, min_gap=gap, use_reference=use_ref,
                          max_pairs_per_prompt=3, seed=seed, batch_size=4)
     out = build_onpolicy_pairs(model, tok, prompts, score, chat_template="chatml", references=refs, exclude=held,
@@ -169,3 +175,44 @@ def test_reward_model_scorer_scores_the_rendered_conversation(tok):
     docs = [tok.encode(render_chat(p + [{"role": "assistant", "content": a}], "chatml"), add_special_tokens=False)
             for p, a in zip(prompts, answers)]
     assert got == score(rm, docs).tolist() and len(set(got)) == 3
+
+
+_TEXTS = ["red blue", " red  blue", "red\tblue ", "sun", "sun ", "", "  ", "moon star"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), st.integers(0, 4), st.sampled_from([0.0, 1.0]), st.booleans())
+def test_pairs_from_any_answers_and_scores(tok, data, samples, gap, use_ref):
+    """Invariant over arbitrary decoded answers (repeats in other whitespace, empty ones) and arbitrary
+    scores (ties, a reference scored apart from the same text answered by the model): no pair has two
+    equal sides or an empty side, chosen beats rejected by more than min_gap, every answer is counted."""
+    n = 5
+    answers = data.draw(st.lists(st.sampled_from(_TEXTS), min_size=n * (1 + samples), max_size=n * (1 + samples)))
+    refs = data.draw(st.lists(st.one_of(st.none(), st.sampled_from(_TEXTS)), min_size=n, max_size=n))
+    table = data.draw(st.lists(st.integers(0, 3), min_size=64, max_size=64))
+    calls = iter(range(10_000))
+    score = lambda ps, a: [float(table[next(calls) % 64]) for _ in a]  # unrelated to the text
+    with pytest.MonkeyPatch.context() as mp:
+        _fake_answers(mp, answers[:n], answers[n:])
+        out = build_onpolicy_pairs(None, tok, _prompts(n), score, chat_template="chatml", references=refs,
+                                   config=OnPolicyConfig(samples=samples, min_gap=gap, use_reference=use_ref,
+                                                         max_pairs_per_prompt=5), device="cpu")
+    norm = lambda s: " ".join(s.split())
+    for r in out.records:
+        assert norm(r["chosen"]) != norm(r["rejected"]) and norm(r["chosen"]) and norm(r["rejected"]), r
+        assert r["reward_chosen"] > r["reward_rejected"] + gap, r
+    s = out.stats
+    assert s.candidates + s.empty_answers + s.repeated_answers == len(answers)
+    assert s.empty_answers == sum(not a.strip() for a in answers)
+
+
+def _fake_answers(mp, greedy, sampled):
+    """Replace decoding by given answers: the greedy ones (temperature 0), then the sampled ones."""
+    import ftlib.onpolicy as onpolicy
+
+    def fake(model, tokenizer, prompts, *, temperature=0.0, **kw):
+        src = greedy if temperature == 0 else sampled
+        assert len(prompts) == len(src)
+        return [a.strip() for a in src]
+
+    mp.setattr(onpolicy, "generate_answers", fake)
