@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["make_demo_assets", "demo_records", "demo_pairs", "heldout_records", "heldout_pairs", "pair_score",
+__all__ = ["make_demo_assets", "demo_records", "heldout_records", "heldout_pairs", "pair_score",
            "arithmetic_pairs", "WORDS"]
 
 CHATML = (
@@ -100,18 +100,11 @@ def _pairs(lists, rng: random.Random) -> list[dict]:
              "chosen": " ".join(reversed(w)), "rejected": " ".join(_wrong_order(w, rng))} for w in lists]
 
 
-def demo_pairs(n: int, seed: int = 0) -> list[dict]:
-    """``n`` preference records ``{"messages": [user], "chosen": str, "rejected": str}``.
-
-    The chosen answer is the reversed list; the rejected one holds the same words in a wrong
-    order (the list as given, or reversed with two neighbours swapped), so a preference is
-    checkable and differs in the order only. No held-out list appears.
-    """
-    return _pairs(_training_lists(n, seed + 7), random.Random(seed + 2))
-
-
 def heldout_pairs(seed: int = 0) -> list[dict]:
-    """One preference record per held-out list (``heldout_records``): prompts no training record has."""
+    """One preference record per held-out list (``heldout_records``): prompts no training record has.
+
+    The chosen answer is the reversed list; the rejected one holds the same words in a wrong order (the
+    list as given, or reversed with two neighbours swapped): checkable, differing in the order only."""
     return _pairs(_HELDOUT, random.Random(seed + 3))
 
 

@@ -13,6 +13,12 @@ Read it top to bottom, copy it, change it. The recipe:
     6. evaluate held-out pairs (reward accuracy, margin) and the exact match of greedy generations
        with the chosen answers, before and after; save the adapter in PEFT's format
 
+Guards against likelihood displacement (the margin grows while the chosen responses' likelihood
+falls): ``--rpo-alpha`` adds the chosen response's NLL per token (RPO, TRL's ``rpo_alpha``),
+``--dpop-lambda`` DPOP's penalty; every step logs the chosen/rejected log-probs, rewards and margins
+under TRL's names (``logps/chosen``, ``rewards/margins``, ... in ``train_log.json``) and a warning is
+printed when the chosen log-probs fall steadily while the margin grows.
+
 A real run on one GPU (pairs in JSONL with "prompt"/"messages", "chosen", "rejected"):
 
     python examples/dpo.py --model meta-llama/Meta-Llama-3-8B-Instruct --data data/pairs/ \\
@@ -26,9 +32,13 @@ Killed? The same command with ``--resume`` continues from the newest good checkp
 changed setting is refused (named old -> new) unless ``--override name,...`` takes the new value.
 
 ``--demo`` builds the tiny demo model, tokenizer and data (no download), fine-tunes it briefly on the
-word-reversal chat data (``finetune_lora.py``, run as a separate process), merges that adapter, then runs DPO on checkable pairs
-(the reversed list preferred to the same words in a wrong order) and prints the numbers on held-out
-word lists before and after: a few minutes on a 2-core CPU.
+word-reversal chat data (``finetune_lora.py``, run as a separate process; it stops while held-out exact
+match is well below 100 %), merges that adapter, then builds **on-policy pairs** (``ftlib.onpolicy``):
+the SFT model's greedy and sampled answers to the SFT training prompts, scored by the task's checker,
+the right answer preferred to the model's own mistakes (no held-out prompt among them). DPO with RPO
+on those pairs, then the held-out numbers before and after: a few minutes on a 2-core CPU. Pairs the
+model already ranks right (the reversed list against a shuffled one) only widen margins and lower
+exact match; pairs from its own mistakes raise it.
 """
 
 from __future__ import annotations
@@ -52,12 +62,15 @@ from ftlib.data import SkipReport, iter_records, render_chat
 from ftlib.data.pair_batches import MarginFilter, PairLoader
 from ftlib.data.pairs import PairConfig, PairFormatter, build_pair_cache
 from ftlib.distributed import init_distributed, wrap_ddp
+from ftlib.evaluation import exact_match as greedy_exact_match
 from ftlib.lora import LoRAConfig, apply_lora, count_params, load_adapter, merge_and_unload, save_adapter
 from ftlib.losses import head_weight
-from ftlib.models import generate, load_pretrained, load_tokenizer
+from ftlib.models import load_pretrained, load_tokenizer
+from ftlib.onpolicy import OnPolicyConfig, build_onpolicy_pairs, split_last_answer, write_pairs
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups
 from ftlib.preference import (
     LOSS_KINDS,
+    LikelihoodDisplacementMonitor,
     PairLogps,
     PreferenceLoss,
     precompute_reference,
@@ -79,16 +92,19 @@ from ftlib.train import (
 # --override names it; FIXED ones cannot be overridden. batch_size x grad_accum x ranks: the global batch.
 SETTINGS = ("model", "sft_adapter", "format", "chat_template", "max_length", "max_prompt_length", "seq_len",
             "batch_size", "grad_accum", "epochs", "max_steps", "lr", "lora_plus", "weight_decay", "warmup_ratio",
-            "schedule", "clip", "loss", "beta", "label_smoothing", "gamma", "length_normalize", "reference",
+            "schedule", "clip", "loss", "beta", "label_smoothing", "gamma", "length_normalize", "rpo_alpha",
+            "dpop_lambda", "reference",
             "margin_filter", "filter_start", "filter_decay", "filter_every", "filter_floor", "lora_r", "lora_alpha",
             "lora_dropout", "targets", "rslora", "dora", "qlora", "seed")
 FIXED = ("model", "sft_adapter", "format", "chat_template", "max_length", "max_prompt_length", "seq_len", "lora_r",
          "lora_alpha", "targets", "rslora", "dora", "seed", "precision", "reference", "data_fingerprint")
 
-DEFAULTS = {"max_length": 1024, "batch_size": 2, "grad_accum": 8, "epochs": 1, "lr": 5e-6, "beta": 0.1}
-# beta 0.5: with 0.1 the tiny demo model drifts far from the reference and its generations degrade
-DEMO_DEFAULTS = {"max_length": 64, "batch_size": 4, "grad_accum": 1, "epochs": 1, "lr": 1e-3, "beta": 0.5}
-DEMO_SFT_STEPS = 150  # the demo adapter (r 64, alpha 256) for ~150 steps: the answer format, most of the task
+DEFAULTS = {"max_length": 1024, "batch_size": 2, "grad_accum": 8, "epochs": 1, "lr": 5e-6, "beta": 0.1,
+            "rpo_alpha": None}
+DEMO_DEFAULTS = {"max_length": 64, "batch_size": 4, "grad_accum": 1, "epochs": 2, "lr": 1e-3, "beta": 0.5,
+                 "rpo_alpha": 1.0}
+DEMO_SFT_STEPS = 125  # the demo SFT adapter (r 64, alpha 256): the answer format and part of the task (held-out
+# exact match about 0.5; at 150+ steps it nears 1 and DPO has little left to fix)
 
 
 def parse_args(argv=None):
@@ -121,6 +137,12 @@ def parse_args(argv=None):
     p.add_argument("--gamma", type=float, default=0.5, help="SimPO target margin")
     p.add_argument("--length-normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="mean instead of summed response log-probs (default: per loss; always for simpo/orpo)")
+    p.add_argument("--rpo-alpha", type=float, default=None,
+                   help="RPO: add alpha x the chosen response's NLL per token (TRL's rpo_alpha; default off; demo 1)")
+    p.add_argument("--dpop-lambda", type=float, default=0.0,
+                   help="DPOP: lambda x max(0, ref - policy chosen log-prob) subtracted from the margin (0: off)")
+    p.add_argument("--displacement-window", type=int, default=50,
+                   help="steps over which falling chosen log-probs with a growing margin raise a warning")
     p.add_argument("--reference", choices=["precompute", "adapters-off"], default="precompute",
                    help="precompute: reference log-probs once into the pair cache; adapters-off: a no-grad pass per step")
     p.add_argument("--margin-filter", action="store_true",
@@ -153,7 +175,9 @@ def parse_args(argv=None):
     p.add_argument("--save-merged", action="store_true", help="also write a merged bf16 HF checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--demo", action="store_true", help="tiny model + pairs built on the fly, SFT first")
-    p.add_argument("--demo-pairs", type=int, default=1200, help="--demo: pairs generated (train; held-out likewise)")
+    p.add_argument("--demo-prompts", type=int, default=600,
+                   help="--demo: SFT training prompts answered by the SFT model for on-policy pairs")
+    p.add_argument("--demo-samples", type=int, default=4, help="--demo: sampled answers per prompt (besides greedy)")
     p.add_argument("--demo-sft-steps", type=int, default=DEMO_SFT_STEPS, help="--demo: SFT steps before DPO")
     args = p.parse_args(argv)
     for k, v in (DEMO_DEFAULTS if args.demo else DEFAULTS).items():
@@ -169,28 +193,25 @@ def parse_args(argv=None):
 
 
 def demo_setup(args, out: Path) -> None:
-    """Demo assets, a short SFT run (unless --sft-adapter is given) and checkable train/held-out pairs.
+    """Demo assets, a short SFT run (unless --sft-adapter is given) and the held-out pairs.
 
-    Held out: one pair for each of the demo's 64 held-out word lists, prompts that no SFT or DPO
-    training record contains (``heldout_pairs``). Each pair carries a checkable score
-    (``reward_chosen`` 0, ``reward_rejected`` minus the number of misplaced words, ``pair_score``),
-    the fields a reward model would write, so ``--margin-filter`` has margins to work with.
+    Held out: one pair for each of the demo's 64 held-out word lists, prompts that no SFT training
+    record contains (``heldout_pairs``); each carries a checkable score (``reward_chosen`` 0,
+    ``reward_rejected`` minus the number of misplaced words). The training pairs are built later,
+    on-policy, from the SFT model (``demo_onpolicy_pairs``).
     """
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _demo_assets import demo_pairs, heldout_pairs, make_demo_assets, pair_score
+    from _demo_assets import heldout_pairs, make_demo_assets, pair_score
 
     make_demo_assets(out / "demo")
     args.model = str(out / "demo" / "base")
     pairs_dir = out / "demo" / "pairs"
     if not (pairs_dir / "eval.jsonl").exists():
-        splits = {"train": demo_pairs(args.demo_pairs, seed=args.seed + 1), "eval": heldout_pairs(seed=args.seed)}
-        pairs_dir.mkdir(parents=True, exist_ok=True)
-        for name, recs in splits.items():
-            for r in recs:
-                prompt = r["messages"][-1]["content"]
-                r["reward_chosen"], r["reward_rejected"] = pair_score(prompt, r["chosen"]), pair_score(prompt, r["rejected"])
-            with open(pairs_dir / f"{name}.jsonl", "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in recs)
+        recs = heldout_pairs(seed=args.seed)
+        for r in recs:
+            prompt = r["messages"][-1]["content"]
+            r["reward_chosen"], r["reward_rejected"] = pair_score(prompt, r["chosen"]), pair_score(prompt, r["rejected"])
+        write_pairs(recs, pairs_dir / "eval.jsonl")
     args.data, args.eval_data = [str(pairs_dir / "train.jsonl")], [str(pairs_dir / "eval.jsonl")]
     if args.sft_adapter is None:
         sft_out = out / "sft"
@@ -209,6 +230,30 @@ def demo_setup(args, out: Path) -> None:
                             "--num-workers", "0", "--seed", str(args.seed), "--threads", str(torch.get_num_threads())],
                            check=True, env=env)
         args.sft_adapter = str(sft_out / "adapter")
+
+
+def demo_onpolicy_pairs(model, tok, template: str, out: Path, args, log) -> None:
+    """The demo's training pairs, on-policy: the SFT model answers ``--demo-prompts`` of its own training
+    prompts (greedy + ``--demo-samples`` samples), the checker scores the answers, and each prompt's best
+    answer (or the right one, when the model never found it) is preferred to its mistakes."""
+    from _demo_assets import heldout_records, pair_score
+
+    path = Path(args.data[0])
+    if path.exists():
+        return
+    recs = [json.loads(line) for line in (out / "demo" / "data" / "train.jsonl").read_text().splitlines()]
+    prompts, answers = zip(*(split_last_answer(r["messages"]) for r in recs[: args.demo_prompts]))
+    checker = lambda ps, ans: [pair_score(p[-1]["content"], a) for p, a in zip(ps, ans)]
+    stop = [t for t in (tok.eos_token_id, tok.tokenizer.token_to_id("<|im_end|>")) if t is not None]
+    built = build_onpolicy_pairs(model, tok, list(prompts), checker, chat_template=template, references=list(answers),
+                                 exclude=[r["messages"][:-1] for r in heldout_records()], stop_tokens=stop,
+                                 config=OnPolicyConfig(samples=args.demo_samples, temperature=1.0, max_new_tokens=24,
+                                                       seed=args.seed))
+    write_pairs(built.records, path)
+    st = built.stats
+    log(f"on-policy pairs: {st.pairs} from {st.prompts} training prompts (greedy answer already best on "
+        f"{st.greedy_best}; {st.reference_chosen} pairs prefer the reference answer; {st.no_pair} prompts "
+        f"without a mistake; {st.empty_answers} empty and {st.repeated_answers} repeated answers dropped)")
 
 
 def main(argv=None):
@@ -235,6 +280,12 @@ def main(argv=None):
     if args.sft_adapter:
         model = merge_and_unload(load_adapter(model, args.sft_adapter, check_base=False), dtype=load_dtype)
         log(f"merged SFT adapter {args.sft_adapter}")
+    template = args.chat_template or tok.chat_template or "chatml"
+    if args.demo:  # the training pairs come from this model's own answers
+        if rank == 0:
+            demo_onpolicy_pairs(model, tok, template, out, args, log)
+        if world > 1:
+            torch.distributed.barrier()
     if args.grad_ckpt:
         model.set_gradient_checkpointing(every=1, part="block")
 
@@ -251,7 +302,6 @@ def main(argv=None):
                                     weight_decay=args.weight_decay), precision=precision)
 
     # 3. pairs: tokenized once into a pair cache; both sides of a pair packed into the same row.
-    template = args.chat_template or tok.chat_template or "chatml"
     # chat: the template writes BOS if the model wants one; text: BOS first when the tokenizer has one
     pcfg = PairConfig(kind=args.format, chat_template=template if args.format == "chat" else None,
                       eos_token=tok.eos_token, bos_token=tok.bos_token, max_length=args.max_length,
@@ -272,8 +322,12 @@ def main(argv=None):
         log(f"{split} pairs: {len(c)} ({c.n_truncated} truncated; {c.report})")
 
     data_fp = hashlib.sha256(json.dumps({k: c.fingerprint() for k, c in caches.items()}, sort_keys=True).encode()).hexdigest()
-    loss_fn = PreferenceLoss(args.loss, beta=args.beta, label_smoothing=args.label_smoothing, gamma=args.gamma,
-                             length_normalize=args.length_normalize)
+    try:
+        loss_fn = PreferenceLoss(args.loss, beta=args.beta, label_smoothing=args.label_smoothing, gamma=args.gamma,
+                                 length_normalize=args.length_normalize, rpo_alpha=args.rpo_alpha,
+                                 dpop_lambda=args.dpop_lambda)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     # 4. reference log-probs, once, into the caches (adapters disabled: the starting model exactly).
     ref_name = "start"
     if loss_fn.needs_reference and args.reference == "precompute":
@@ -325,6 +379,9 @@ def main(argv=None):
     tokens_seen, logs = extra.get("tokens_seen", 0), extra.get("logs", [])
     if mfilter is not None and "filter" in extra:
         mfilter.load_state_dict(extra["filter"])
+    monitor = LikelihoodDisplacementMonitor(window=args.displacement_window, warn=False)  # printed below
+    if "displacement" in extra:
+        monitor.load_state_dict(extra["displacement"])
     ckpt = Checkpointer(out / "checkpoints", keep=args.keep) if rank == 0 else None
 
     eval_kw = dict(loss_fn=loss_fn, pad_id=pad_id, seq_len=args.seq_len, device=device, autocast=opt.autocast)
@@ -334,7 +391,7 @@ def main(argv=None):
             before = evaluate(model, caches["eval"], **eval_kw)
             before.update(exact_match(model, tok, args.eval_data, pcfg, template, device, args.eval_generate))
             before_file.write_text(json.dumps(before) + "\n")
-            log("held-out before: " + _fmt(before))
+            log("held-out before DPO: " + _fmt(before))
         elif before_file.exists():
             before = json.loads(before_file.read_text())
 
@@ -368,18 +425,22 @@ def main(argv=None):
             result = opt.step(clipper)
             sched.step(1, loss=result.loss)
             step += 1
+            # every step: TRL's names, pair-weighted over the window's micro-batches
+            rec = {"step": step, "loss": round(result.loss, 4),
+                   **{k: round(_pair_mean(stats, k), 4) for k in sorted({k for st in stats for k in st})
+                      if "/" in k or k == "nll_loss"},
+                   "lr": sched.get_last_lr()[0], "grad_norm": round(result.grad_norm, 4), "skipped": opt.skipped_steps}
+            if mfilter is not None:
+                rec["filter"] = dict(mfilter.counts, threshold=round(mfilter.threshold(step), 4))
+            logs.append(rec)
+            if "logps/chosen" in rec and (msg := monitor.update(rec)):
+                log(f"WARNING step {step}: {msg}")
             if step % args.log_every == 0 or step == total:
-                rec = {"step": step, "loss": round(result.loss, 4),
-                       "reward_accuracy": round(_pair_mean(stats, "reward_accuracy"), 3),
-                       "reward_margin": round(_pair_mean(stats, "reward_margin"), 4), "lr": sched.get_last_lr()[0],
-                       "grad_norm": round(result.grad_norm, 4), "skipped": opt.skipped_steps,
-                       "response_tokens_per_s": round((tokens_seen - tokens_at_start) / (time.perf_counter() - t0), 1)}
-                if mfilter is not None:
-                    rec["filter"] = dict(mfilter.counts, threshold=round(mfilter.threshold(step), 4))
-                logs.append(rec)
-                log(json.dumps(rec))
+                rate = round((tokens_seen - tokens_at_start) / (time.perf_counter() - t0), 1)
+                log(json.dumps(rec | {"response_tokens_per_s": rate}))
             if ckpt is not None and ((save_every and step % save_every == 0) or step == total):
-                extra = {**run_extra(settings, loader), "tokens_seen": tokens_seen, "logs": logs}
+                extra = {**run_extra(settings, loader), "tokens_seen": tokens_seen, "logs": logs,
+                         "displacement": monitor.state_dict()}
                 if mfilter is not None:
                     extra["filter"] = mfilter.state_dict()
                 ckpt.save(step, model=model, optimizer=opt, scheduler=sched, clipper=clipper, loader=loader,
@@ -397,8 +458,7 @@ def main(argv=None):
         if "eval" in caches:
             after = evaluate(model, caches["eval"], **eval_kw)
             after.update(exact_match(model, tok, args.eval_data, pcfg, template, device, args.eval_generate))
-            log("held-out before: " + _fmt(before))
-            log("held-out after:  " + _fmt(after))
+            log(results_table(before, after))
         adapter_dir = save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
         (out / "train_log.json").write_text(json.dumps({"log": logs, "eval_before": before, "eval_after": after},
                                                        indent=1))
@@ -451,9 +511,9 @@ def evaluate(model, cache, *, loss_fn, pad_id, seq_len, device, autocast) -> dic
     return {"pairs": int(n), "reward_accuracy": acc / n, "reward_margin": margin / n, "logp_accuracy": pref / n}
 
 
-@torch.no_grad()
 def exact_match(model, tok, eval_data, pcfg, template, device, limit: int) -> dict:
-    """Greedy generations for up to ``limit`` distinct held-out prompts vs their chosen answers."""
+    """Greedy generations for up to ``limit`` distinct held-out prompts vs their chosen answers
+    (``ftlib.evaluation.exact_match``)."""
     if not limit or pcfg.kind != "chat":
         return {}
     fmt, report = PairFormatter(tok.tokenizer, pcfg), SkipReport(strict=False)
@@ -469,26 +529,14 @@ def exact_match(model, tok, eval_data, pcfg, template, device, limit: int) -> di
             items.append((prompt, conv[1][0]["content"].strip()))
         if len(items) >= limit:
             break
-    was_training = model.training
-    model.eval()
+    if not items:
+        return {}
     stop = [t for t in (tok.eos_token_id, tok.tokenizer.token_to_id("<|im_end|>")) if t is not None]
-    hits, examples = 0, []
-    for i in range(0, len(items), 16):
-        chunk = items[i : i + 16]
-        enc = [tok.encode(p, add_special_tokens=False) for p, _ in chunk]
-        width = max(len(e) for e in enc)
-        ids = torch.tensor([[pad_token(tok)] * (width - len(e)) + e for e in enc], device=device)
-        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc], device=device)
-        longest = max(len(tok.encode(a, add_special_tokens=False)) for _, a in chunk)
-        new = generate(model, ids, attention_mask=mask, max_new_tokens=longest + 4, stop_tokens=stop,
-                       pad_token_id=pad_token(tok))
-        for (_, answer), row in zip(chunk, new.tolist()):
-            text = tok.decode(row).strip()
-            hits += text == answer
-            if len(examples) < 3:
-                examples.append(f"{answer!r} -> {text!r}")
-    model.train(was_training)
-    return {"exact_match": hits / max(len(items), 1), "generated": len(items), "examples": examples}
+    longest = max(len(tok.encode(a, add_special_tokens=False)) for _, a in items)
+    em = greedy_exact_match(model, tok, [p for p, _ in items], [a for _, a in items], max_new_tokens=longest + 4,
+                            batch_size=16, stop_tokens=stop, device=device)
+    examples = [f"{r!r} -> {p!r}" for p, r in zip(em.predictions[:3], em.references[:3])]
+    return {"exact_match": em.accuracy, "generated": em.total, "examples": examples}
 
 
 def _pair_mean(stats: list[dict], key: str) -> float:
@@ -507,8 +555,23 @@ def _fmt(m: dict | None) -> str:
     s = (f"reward accuracy {m['reward_accuracy']:.3f}, mean margin {m['reward_margin']:.4f}, "
          f"log-prob accuracy {m['logp_accuracy']:.3f} ({m['pairs']} pairs)")
     if "exact_match" in m:
-        s += f", exact match {m['exact_match']:.3f} ({m['generated']} prompts; e.g. {m['examples'][0]})"
+        s += f", exact match {m['exact_match']:.3f} ({m['generated']} prompts)"
     return s
+
+
+def results_table(before: dict | None, after: dict) -> str:
+    """The held-out numbers before and after DPO, one row each."""
+    rows = [("exact match", "exact_match", "{:.3f}"), ("reward accuracy", "reward_accuracy", "{:.3f}"),
+            ("mean margin", "reward_margin", "{:.4f}"), ("log-prob accuracy", "logp_accuracy", "{:.3f}")]
+    head = f"held-out ({after['pairs']} pairs" + (f", {after['generated']} prompts generated)" if "generated" in after else ")")
+    lines = [f"{head:<44} {'before':>8} {'after':>8}"]
+    for name, key, f in rows:
+        if key in after:
+            b = f.format(before[key]) if before and key in before else "n/a"
+            lines.append(f"{name:<44} {b:>8} {f.format(after[key]):>8}")
+    if "examples" in after:
+        lines.append("after, e.g.: " + "; ".join(after["examples"][:2]))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

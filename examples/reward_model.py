@@ -10,7 +10,8 @@ Read it top to bottom, copy it, change it. The recipe:
     4. loop: B chosen + B rejected documents packed into one varlen row -> scores at each document's
        last token -> Bradley-Terry loss -log sigmoid(r_c - r_r - margin) -> step -> schedule
     5. held-out pairwise accuracy before and after training; every pair of ``--score-pairs`` is written
-       again with ``reward_chosen`` / ``reward_rejected``
+       again with ``reward_chosen`` / ``reward_rejected``; with ``--onpolicy-policy`` the policy's own
+       answers to the training prompts, scored by the reward model, become new pairs (``ftlib.onpolicy``)
     6. save the adapter (PEFT, task SEQ_CLS) and a merged checkpoint that ``transformers`` loads as
        ``<Arch>ForSequenceClassification``
 
@@ -29,6 +30,11 @@ are comparisons never seen in training (other wrong answers) for the training pr
 2-layer model does not learn arithmetic for unseen prompts from a reward signal in minutes, but it
 does learn which answer of a prompt is right, as a reward model of a real model learns which
 responses are better.
+
+``--onpolicy-policy MODEL`` is the second path to DPO pairs: MODEL (the SFT policy, a causal-LM folder or
+hub id) answers every training prompt greedily and by sampling, the trained reward model scores the
+answers, and each prompt's best answer is preferred to its worse ones in ``<out>/onpolicy/pairs.jsonl``
+(no prompt that only the held-out pairs hold; the two sides never equal), ready for ``dpo.py --data``.
 
 Also shown: ``--decay-rank R`` shrinks the LoRA ranks to R during training (``ftlib.lora.RankDecay``;
 the adapter is saved with PEFT ``rank_pattern``/``alpha_pattern``), ``--schedule restarts``
@@ -62,6 +68,7 @@ from ftlib.lora import (
 )
 from ftlib.losses import bradley_terry_loss
 from ftlib.models import (
+    load_pretrained,
     load_reward_model,
     load_tokenizer,
     pack_documents,
@@ -70,6 +77,7 @@ from ftlib.models import (
     score,
 )
 from ftlib.offload import offload_modules
+from ftlib.onpolicy import OnPolicyConfig, build_onpolicy_pairs, prompt_key, reward_model_scorer, write_pairs
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups, resolve_precision
 from ftlib.sched import CosineRestarts, LRScheduler, WarmupDecay, resolve_warmup
 from ftlib.train import copy_tokenizer_files
@@ -108,6 +116,9 @@ def parse_args(argv=None):
                    help="with --precision fp16: switch to this after 10 overflow skips within 100 steps")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on every block")
     p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--onpolicy-policy", default=None,
+                   help="causal LM (the SFT policy) whose answers to the training prompts, scored by the trained "
+                        "reward model, are written as pairs to <out>/onpolicy/pairs.jsonl")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--demo", action="store_true", help="tiny model + arithmetic pairs built on the fly")
     p.add_argument("--demo-prompts", type=int, default=24, help="demo prompts (each with several pairs)")
@@ -176,6 +187,28 @@ def write_scored(src: str, dst: Path, recs, pairs, chosen, rejected) -> int:
     dst.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(dst, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return len(pairs)
+
+
+def onpolicy_pairs(policy_path: str, reward_model, tok, template: str, train: list, held_out: list, *, dtype, device,
+                   autocast, seed: int, dst: Path) -> dict:
+    """The policy answers the distinct training prompts (greedy + 4 samples), the reward model scores the
+    answers, each prompt's best answer is preferred to the worse ones; pairs written to ``dst``."""
+    fmt, report = PairConfig(kind="chat", chat_template=template).formatter(tok.tokenizer), SkipReport(strict=True)
+    prompt = lambda rec: fmt.conversation(rec, "", report)[0]  # records already checked by read_pairs
+    prompts = list({json.dumps(p): p for p in (prompt(rec) for rec, _, _ in train)}.values())
+    train_keys = {prompt_key(p) for p in prompts}
+    exclude = [p for p in (prompt(rec) for rec, _, _ in held_out) if prompt_key(p) not in train_keys]
+    policy = load_pretrained(policy_path, dtype=dtype, device=device)
+    ptok = load_tokenizer(policy_path)
+    stop = [t for t in (ptok.eos_token_id, ptok.tokenizer.token_to_id("<|im_end|>")) if t is not None]
+    with autocast():
+        built = build_onpolicy_pairs(policy, ptok, prompts, reward_model_scorer(reward_model, tok, template),
+                                     chat_template=template, exclude=exclude, stop_tokens=stop,
+                                     config=OnPolicyConfig(samples=4, max_new_tokens=32, seed=seed))
+    write_pairs(built.records, dst)
+    print(f"on-policy pairs: {built.stats.pairs} from {built.stats.prompts} training prompts answered by {policy_path}, "
+          f"scored by the reward model -> {dst} ({built.stats.to_dict()})")
+    return {"path": str(dst), **built.stats.to_dict()}
 
 
 def main(argv=None):
@@ -295,6 +328,13 @@ def main(argv=None):
         scored[f] = str(dst)
         print(f"scored {n} pairs of {f} -> {dst}" + (f" ({len(skip)} too long, left out)" if skip else ""))
 
+    onpolicy = None
+    if args.onpolicy_policy:
+        held_out = [r for f in args.eval_pairs for r in evals[f]]
+        onpolicy = onpolicy_pairs(args.onpolicy_policy, model, tok, template, train_recs, held_out,
+                                  dtype=torch.bfloat16 if precision == "bf16" else torch.float32, device=device,
+                                  autocast=opt.autocast, seed=args.seed, dst=out / "onpolicy" / "pairs.jsonl")
+
     # 6. save: the PEFT adapter, then a merged checkpoint in transformers' sequence-classification layout
     ranks = None if decay is None else sorted(set(decay.ranks().values()))
     save_adapter(model, out / "adapter", base_model_name_or_path=args.model, task_type="SEQ_CLS")
@@ -303,7 +343,8 @@ def main(argv=None):
     copy_tokenizer_files(args.model, out / "reward_model")
     metrics = {"accuracy_before": acc_before, "accuracy_after": acc_after, "train_pairs": len(train),
                "ranks": ranks,
-               "skipped_too_long": len(skipped), "eval_pairs": len(eval_pairs), "scored": scored, "log": logs}
+               "skipped_too_long": len(skipped), "eval_pairs": len(eval_pairs), "scored": scored,
+               "onpolicy": onpolicy, "log": logs}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     print(f"adapter: {out / 'adapter'}; reward model (transformers SequenceClassification): {out / 'reward_model'}")
     return merged, metrics

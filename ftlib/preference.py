@@ -34,6 +34,21 @@ default for ipo (as TRL does; ``length_normalize`` overrides for the others). Re
 chosen reward is strictly larger. Losses are per pair: sum them and divide by the number of pairs
 of the accumulation window (``TrainOptimizer.backward(losses.sum(), n_pairs)``).
 
+Guards against likelihood displacement (DPO can widen the margin while the chosen responses'
+likelihood falls too: Razin et al. 2024, "Unintentional unalignment"; Pal et al. 2024, "Smaug"):
+
+    RPO   (Pang et al. 2024, "Iterative reasoning preference optimization"; TRL's ``rpo_alpha``)
+          loss + α · nll_c,   nll_c = -π_c / n_c   (the NLL of the chosen response per response token,
+          from the summed log-probs whatever ``length_normalize`` says). TRL takes the token mean over
+          all chosen tokens of its batch, which is this value when the chosen responses of a batch
+          have one length; per pair here, so gradient accumulation does not change it.
+    DPOP  (Pal et al. 2024, "Smaug", eq. 3)    Δ' = Δ - λ · max(0, ρ_c - π_c)   in place of Δ:
+          the loss grows as soon as the chosen log-prob falls below the reference's.
+
+``LikelihoodDisplacementMonitor`` watches the logged means (``PreferenceOutput.stats()``, TRL's names
+``logps/chosen``, ``rewards/margins``, ...) and warns when the chosen log-probs fall steadily while
+the margin grows.
+
 Reference log-probs. ``reference_pair_logps`` runs the same model with its adapters disabled
 (``ftlib.lora.disable_adapters``: no weight copied) under ``torch.no_grad()``, or a separate frozen
 model, or reads the values a batch carries when the pair cache holds a reference computed once by
@@ -45,6 +60,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
@@ -55,9 +72,10 @@ import torch.nn.functional as F
 from .losses import IGNORE_INDEX, head_weight
 
 __all__ = [
-    "SequenceLogprobs", "sequence_logprobs", "PairLogps", "pair_logps", "reference_pair_logps",
-    "precompute_reference", "PreferenceLoss", "PreferenceOutput", "LOSS_KINDS",
-    "dpo_sigmoid_loss", "robust_dpo_loss", "ipo_loss", "hinge_loss", "simpo_loss", "orpo_loss",
+    "LOSS_KINDS", "LikelihoodDisplacementMonitor", "LikelihoodDisplacementWarning", "PairLogps", "PreferenceLoss",
+    "PreferenceOutput", "SequenceLogprobs", "dpo_sigmoid_loss", "dpop_penalty", "hinge_loss", "ipo_loss",
+    "orpo_loss", "pair_logps", "precompute_reference", "reference_pair_logps", "robust_dpo_loss", "rpo_nll",
+    "sequence_logprobs", "simpo_loss",
 ]
 
 LOSS_KINDS = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo")
@@ -346,13 +364,27 @@ def orpo_loss(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor, beta: floa
     return -chosen_mean + beta * F.softplus(-log_odds)
 
 
+def rpo_nll(chosen_sum: torch.Tensor, chosen_n: torch.Tensor) -> torch.Tensor:
+    """RPO's NLL term per pair: -π_c / n_c, the chosen response's negative log-likelihood per response token."""
+    return -chosen_sum / chosen_n.clamp(min=1).to(chosen_sum.dtype)
+
+
+def dpop_penalty(policy_chosen: torch.Tensor, reference_chosen: torch.Tensor) -> torch.Tensor:
+    """DPOP's penalty per pair: max(0, ρ_c - π_c), positive once the chosen log-prob falls below the reference's."""
+    return torch.relu(reference_chosen - policy_chosen)
+
+
 @dataclass
 class PreferenceOutput:
-    """Per-pair ``losses`` [P] (with grad) and detached logging values [P]."""
+    """Per-pair ``losses`` [P] (with grad) and detached logging values [P]: rewards, the policy's summed
+    log-probs of each side, and RPO's NLL term when the loss has one."""
 
     losses: torch.Tensor
     chosen_rewards: torch.Tensor
     rejected_rewards: torch.Tensor
+    chosen_logps: torch.Tensor | None = None
+    rejected_logps: torch.Tensor | None = None
+    nll: torch.Tensor | None = None
 
     @property
     def margins(self) -> torch.Tensor:
@@ -363,12 +395,20 @@ class PreferenceOutput:
         return (self.chosen_rewards > self.rejected_rewards).to(self.chosen_rewards.dtype)
 
     def stats(self) -> dict:
-        """Batch means as Python floats (reward accuracy, margin, chosen/rejected rewards, loss)."""
+        """Batch means as Python floats, under TRL's names: ``loss``, ``rewards/chosen``, ``rewards/rejected``,
+        ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected`` (summed policy
+        log-probs), ``nll_loss`` (with RPO); ``n_pairs`` weighs them when micro-batches are combined."""
         if self.losses.numel() == 0:
             return {"n_pairs": 0}
-        return {"n_pairs": int(self.losses.numel()), "loss": float(self.losses.detach().mean()),
-                "reward_accuracy": float(self.accuracies.mean()), "reward_margin": float(self.margins.mean()),
-                "reward_chosen": float(self.chosen_rewards.mean()), "reward_rejected": float(self.rejected_rewards.mean())}
+        out = {"n_pairs": int(self.losses.numel()), "loss": float(self.losses.detach().mean()),
+               "rewards/chosen": float(self.chosen_rewards.mean()), "rewards/rejected": float(self.rejected_rewards.mean()),
+               "rewards/accuracies": float(self.accuracies.mean()), "rewards/margins": float(self.margins.mean())}
+        if self.chosen_logps is not None:
+            out["logps/chosen"] = float(self.chosen_logps.mean())
+            out["logps/rejected"] = float(self.rejected_logps.mean())
+        if self.nll is not None:
+            out["nll_loss"] = float(self.nll.mean())
+        return out
 
 
 @dataclass(frozen=True)
@@ -377,7 +417,9 @@ class PreferenceLoss:
 
     ``label_smoothing`` ε for sigmoid (conservative DPO), robust (< 0.5) and simpo; ``gamma`` the SimPO
     target margin; ``length_normalize`` None = per-kind default (simpo, orpo, ipo: mean log-probs;
-    others: sums); ``reference_free`` scores sigmoid/robust/ipo/hinge against ρ = 0.
+    others: sums); ``reference_free`` scores sigmoid/robust/ipo/hinge against ρ = 0. Guards:
+    ``rpo_alpha`` α adds α · (-π_c / n_c) per pair (RPO; None = off, as in TRL); ``dpop_lambda`` λ > 0
+    replaces Δ by Δ - λ max(0, ρ_c - π_c) (DPOP; reference-based kinds).
     """
 
     kind: str = "sigmoid"
@@ -386,6 +428,8 @@ class PreferenceLoss:
     gamma: float = 0.5
     length_normalize: bool | None = None
     reference_free: bool = False
+    rpo_alpha: float | None = None
+    dpop_lambda: float = 0.0
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -399,6 +443,16 @@ class PreferenceLoss:
             raise ValueError(f"label_smoothing does not apply to the {self.kind} loss")
         if self.kind in _REFERENCE_FREE and self.length_normalize is False:
             raise ValueError(f"{self.kind} is defined on length-normalised log-probs (length_normalize=False refused)")
+        if self.rpo_alpha is not None:
+            if not (math.isfinite(self.rpo_alpha) and self.rpo_alpha >= 0):
+                raise ValueError(f"rpo_alpha must be a finite number >= 0 (or None), got {self.rpo_alpha}")
+            if self.kind == "orpo":
+                raise ValueError("rpo_alpha does not apply to orpo: its loss already holds the chosen NLL")
+        if not (math.isfinite(self.dpop_lambda) and self.dpop_lambda >= 0):
+            raise ValueError(f"dpop_lambda must be a finite number >= 0, got {self.dpop_lambda}")
+        if self.dpop_lambda and not self.needs_reference:
+            raise ValueError(f"dpop_lambda needs reference log-probs; the {self.kind} loss"
+                             f"{' with reference_free=True' if self.reference_free else ''} has none")
 
     @property
     def needs_reference(self) -> bool:
@@ -413,12 +467,13 @@ class PreferenceLoss:
     def __call__(self, policy: PairLogps, reference: PairLogps | None = None) -> PreferenceOutput:
         pc, pr = policy.values(self.normalize)
         b, k = self.beta, self.kind
+        logged = dict(chosen_logps=policy.chosen.detach(), rejected_logps=policy.rejected.detach())
         if k in _REFERENCE_FREE:
             if k == "simpo":
                 losses = simpo_loss(pc, pr, b, self.gamma, self.label_smoothing)
             else:
                 losses = orpo_loss(pc, pr, b)
-            return PreferenceOutput(losses, (b * pc).detach(), (b * pr).detach())
+            return self._with_rpo(losses, policy, (b * pc).detach(), (b * pr).detach(), logged)
         if reference is None:
             if self.needs_reference:
                 raise ValueError(f"the {k} loss needs reference log-probs (or reference_free=True)")
@@ -430,6 +485,8 @@ class PreferenceLoss:
                 raise ValueError("reference and policy log-probs cover different response tokens (token counts differ)")
             rc, rr = (v.to(pc.dtype).detach() for v in reference.values(self.normalize))
         logits = (pc - pr) - (rc - rr)
+        if self.dpop_lambda:
+            logits = logits - self.dpop_lambda * dpop_penalty(pc, rc)
         if k == "sigmoid":
             losses = dpo_sigmoid_loss(logits, b, self.label_smoothing)
         elif k == "robust":
@@ -438,7 +495,93 @@ class PreferenceLoss:
             losses = ipo_loss(logits, b)
         else:
             losses = hinge_loss(logits, b)
-        return PreferenceOutput(losses, (b * (pc - rc)).detach(), (b * (pr - rr)).detach())
+        return self._with_rpo(losses, policy, (b * (pc - rc)).detach(), (b * (pr - rr)).detach(), logged)
+
+    def _with_rpo(self, losses, policy: PairLogps, chosen_rewards, rejected_rewards, logged) -> PreferenceOutput:
+        nll = None
+        if self.rpo_alpha is not None:
+            nll = rpo_nll(policy.chosen, policy.chosen_n)
+            losses = losses + self.rpo_alpha * nll
+            nll = nll.detach()
+        return PreferenceOutput(losses, chosen_rewards, rejected_rewards, nll=nll, **logged)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
+
+
+# ---- likelihood displacement -------------------------------------------------------------------------
+class LikelihoodDisplacementWarning(UserWarning):
+    """The chosen responses' log-probs fall steadily while the preference margin grows."""
+
+
+def _trend(y: list[float]) -> tuple[float, float]:
+    """Least-squares slope of ``y`` against 0, 1, 2, ... and its t statistic (slope / standard error;
+    ±inf for a noiseless line)."""
+    n = len(y)
+    xm, ym = (n - 1) / 2, sum(y) / n
+    sxx = sum((i - xm) ** 2 for i in range(n))
+    slope = sum((i - xm) * (v - ym) for i, v in enumerate(y)) / sxx
+    ssr = sum((v - ym - slope * (i - xm)) ** 2 for i, v in enumerate(y))
+    se = math.sqrt(ssr / (n - 2) / sxx)
+    if se == 0:
+        return slope, math.copysign(math.inf, slope) if slope else 0.0
+    return slope, slope / se
+
+
+class LikelihoodDisplacementMonitor:
+    """Warns when, over a window of ``window`` steps, the mean chosen log-prob fell steadily while the mean
+    margin grew.
+
+    "Steadily" means a trend, not noise: the least-squares slope of ``logps/chosen`` is negative and that
+    of ``rewards/margins`` positive, each at least ``t`` standard errors from zero, and the fitted fall of
+    the chosen log-prob over the window, -slope · (window - 1), is at least ``min_drop`` nats. Windows do
+    not overlap (steps 1..w, w+1..2w, ...): each is tested once, so noise alone seldom warns over a
+    long run.
+
+    ``update(stats)`` takes one step's ``PreferenceOutput.stats()`` (pair-weighted over the step's
+    micro-batches) and returns the warning text when it fires, else None; with ``warn`` it is also
+    issued as a ``LikelihoodDisplacementWarning``. ``state_dict`` / ``load_state_dict`` carry the
+    window across a resume.
+    """
+
+    def __init__(self, window: int = 50, min_drop: float = 0.5, t: float = 3.0, warn: bool = True):
+        if window < 4:
+            raise ValueError(f"window must be >= 4 steps, got {window}")
+        if not (min_drop >= 0 and t >= 0):
+            raise ValueError(f"min_drop and t must be >= 0, got {min_drop}, {t}")
+        self.window, self.min_drop, self.t, self.warn = window, min_drop, t, warn
+        self.chosen: deque[float] = deque(maxlen=window)
+        self.margin: deque[float] = deque(maxlen=window)
+        self.fired = 0
+
+    def update(self, stats: dict) -> str | None:
+        if "logps/chosen" not in stats or "rewards/margins" not in stats:
+            return None  # a step without pairs
+        self.chosen.append(float(stats["logps/chosen"]))
+        self.margin.append(float(stats["rewards/margins"]))
+        if len(self.chosen) < self.window:
+            return None
+        (sc, tc), (sm, tm) = _trend(list(self.chosen)), _trend(list(self.margin))
+        self.chosen.clear()  # the next window starts after this one
+        self.margin.clear()
+        fall = -sc * (self.window - 1)
+        if not (tc <= -self.t and tm >= self.t and sm > 0 and fall >= self.min_drop):
+            return None
+        msg = (f"likelihood displacement: over the last {self.window} steps the chosen log-prob fell by "
+               f"{fall:.3f} (fitted) while the margin grew by {sm * (self.window - 1):.3f}; DPO pushes the "
+               "rejected responses down more than it lifts the chosen ones (try rpo_alpha, dpop_lambda, a "
+               "larger beta, or on-policy pairs)")
+        if self.warn:
+            warnings.warn(msg, LikelihoodDisplacementWarning, stacklevel=2)
+        self.fired += 1
+        return msg
+
+    def state_dict(self) -> dict:
+        return {"chosen": list(self.chosen), "margin": list(self.margin), "fired": self.fired}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.chosen.clear()
+        self.margin.clear()
+        self.chosen.extend(state["chosen"][-self.window:])
+        self.margin.extend(state["margin"][-self.window:])
+        self.fired = int(state["fired"])

@@ -20,6 +20,8 @@ from ftlib.data.pair_batches import collate_pairs_packed, collate_pairs_padded
 from ftlib.lora import LoRAConfig, apply_lora, lora_layers
 from ftlib.models import LlamaConfig, LlamaForCausalLM
 from ftlib.preference import (
+    LikelihoodDisplacementMonitor,
+    LikelihoodDisplacementWarning,
     PairLogps,
     PreferenceLoss,
     pair_logps,
@@ -209,6 +211,165 @@ def test_loss_config_errors():
     free = PreferenceLoss("sigmoid", reference_free=True)(x)
     torch.testing.assert_close(free.losses, F.softplus(torch.tensor([-0.1])))
     assert not PreferenceLoss("orpo").needs_reference and PreferenceLoss("hinge").needs_reference
+
+
+def _closed_form(kind, a, b, c, d, beta, ls, gamma):
+    """The loss of one pair in plain floats, on the values the kind uses (sums or means)."""
+    delta = (a - b) - (c - d)
+    h = beta * delta
+    if kind == "sigmoid":
+        return -(1 - ls) * _logsig(h) - ls * _logsig(-h)
+    if kind == "robust":
+        return (-(1 - ls) * _logsig(h) + ls * _logsig(-h)) / (1 - 2 * ls)
+    if kind == "ipo":
+        return (delta - 1 / (2 * beta)) ** 2
+    if kind == "hinge":
+        return max(0.0, 1 - h)
+    z = beta * (a - b) - gamma  # simpo
+    return -(1 - ls) * _logsig(z) - ls * _logsig(-z)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(logp, logp, logp, logp, st.integers(1, 50), st.integers(1, 50)), min_size=1, max_size=5),
+       st.floats(0.01, 5.0), st.floats(0.0, 0.45), st.floats(0.0, 2.0), st.floats(0.0, 3.0))
+def test_rpo_equals_closed_form(rows, beta, eps, gamma, alpha):
+    """Invariant: with rpo_alpha = α every kind but orpo adds α · (-π_c / n_c) — the chosen response's NLL
+    per token, from the summed log-prob even where the loss uses means — to its closed form; the logged
+    rewards are unchanged and ``nll_loss`` is the mean NLL. On a batch whose chosen responses share one
+    length the mean loss equals TRL's: mean(DPO) + α · (token mean of the chosen NLL over the batch)."""
+    pc, pr, rc, rr, nc, nr = (torch.tensor([r[i] for r in rows], dtype=torch.float64) for i in range(6))
+    nc, nr = nc.long(), nr.long()
+    policy, ref = PairLogps(pc, pr, nc, nr), PairLogps(rc, rr, nc, nr)
+    for kind in ("sigmoid", "robust", "ipo", "hinge", "simpo"):
+        ls = eps if kind in ("sigmoid", "robust", "simpo") else 0.0
+        out = PreferenceLoss(kind, beta=beta, label_smoothing=ls, gamma=gamma, rpo_alpha=alpha)(policy, ref)
+        plain = PreferenceLoss(kind, beta=beta, label_smoothing=ls, gamma=gamma)(policy, ref)
+        for i, (a, b, c, d, n1, n2) in enumerate(rows):
+            v = (a / n1, b / n2, c / n1, d / n2) if kind in ("ipo", "simpo") else (a, b, c, d)
+            want = _closed_form(kind, *v, beta, ls, gamma) + alpha * (-a / n1)
+            assert abs(float(out.losses[i]) - want) <= 1e-9 * max(1.0, abs(want)), (kind, i, float(out.losses[i]), want)
+            assert abs(float(out.nll[i]) - (-a / n1)) <= 1e-12 * max(1.0, abs(a))
+        torch.testing.assert_close(out.chosen_rewards, plain.chosen_rewards, rtol=0, atol=0)
+        assert abs(out.stats()["nll_loss"] - sum(-a / n1 for a, _, _, _, n1, _ in rows) / len(rows)) < 1e-9
+    # TRL's value when the chosen lengths are equal: losses.mean() + rpo_alpha * nll over all chosen tokens
+    n = torch.full_like(nc, int(nc[0]))
+    out = PreferenceLoss("sigmoid", beta=beta, rpo_alpha=alpha)(PairLogps(pc, pr, n, nr), PairLogps(rc, rr, n, nr))
+    trl = sum(_closed_form("sigmoid", a, b, c, d, beta, 0.0, 0.0) for a, b, c, d, *_ in rows) / len(rows) \
+        + alpha * float(-pc.sum() / n.sum())
+    assert abs(float(out.losses.mean()) - trl) <= 1e-9 * max(1.0, abs(trl))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(logp, logp, logp, logp, st.integers(1, 50), st.integers(1, 50)), min_size=1, max_size=5),
+       st.floats(0.01, 5.0), st.floats(0.0, 0.45), st.floats(0.0, 60.0), st.booleans())
+def test_dpop_equals_closed_form(rows, beta, eps, lam, normalize):
+    """Invariant (Smaug, eq. 3): with dpop_lambda = λ the reference-based kinds score
+    Δ' = Δ - λ · max(0, ρ_c - π_c) in place of Δ; λ = 0, or a chosen log-prob at or above the
+    reference's, leaves the loss as it was."""
+    pc, pr, rc, rr, nc, nr = (torch.tensor([r[i] for r in rows], dtype=torch.float64) for i in range(6))
+    nc, nr = nc.long(), nr.long()
+    policy, ref = PairLogps(pc, pr, nc, nr), PairLogps(rc, rr, nc, nr)
+    for kind in ("sigmoid", "robust", "ipo", "hinge"):
+        ls = eps if kind in ("sigmoid", "robust") else 0.0
+        out = PreferenceLoss(kind, beta=beta, label_smoothing=ls, dpop_lambda=lam, length_normalize=normalize)(policy, ref)
+        for i, (a, b, c, d, n1, n2) in enumerate(rows):
+            if normalize:
+                a, b, c, d = a / n1, b / n2, c / n1, d / n2
+            pen = lam * max(0.0, c - a)
+            # Δ' = (a - b) - (c - d) - pen: fold the penalty into the reference's chosen value
+            want = _closed_form(kind, a, b, c + pen, d, beta, ls, 0.0)
+            assert abs(float(out.losses[i]) - want) <= 1e-9 * max(1.0, abs(want)), (kind, i, float(out.losses[i]), want)
+            if pen == 0.0:
+                plain = PreferenceLoss(kind, beta=beta, label_smoothing=ls, length_normalize=normalize)(policy, ref)
+                assert float(out.losses[i]) == float(plain.losses[i])
+
+
+def test_dpop_and_rpo_gradients():
+    """d/dπ_c of the sigmoid loss: -β σ(-βΔ') (1 + λ [π_c < ρ_c]) - α / n_c."""
+    pc = torch.tensor([-3.0, -9.0], dtype=torch.float64, requires_grad=True)
+    pr = torch.tensor([-4.0, -12.0], dtype=torch.float64)
+    rc, rr = torch.tensor([-3.5, -5.0], dtype=torch.float64), torch.tensor([-3.5, -6.0], dtype=torch.float64)
+    nc, nr = torch.tensor([2, 5]), torch.tensor([3, 3])
+    beta, lam, alpha = 0.5, 4.0, 0.7
+    out = PreferenceLoss("sigmoid", beta=beta, dpop_lambda=lam, rpo_alpha=alpha)(PairLogps(pc, pr, nc, nr),
+                                                                                 PairLogps(rc, rr, nc, nr))
+    (g,) = torch.autograd.grad(out.losses.sum(), pc)
+    below = (pc < rc).double().detach()
+    delta = (pc - pr - (rc - rr)).detach() - lam * torch.relu(rc - pc.detach())
+    want = -beta * torch.sigmoid(-beta * delta) * (1 + lam * below) - alpha / nc.double()
+    torch.testing.assert_close(g, want)
+    assert below.tolist() == [0.0, 1.0]  # one pair on each side of the reference
+
+
+def test_guard_config_errors_and_stats_names():
+    with pytest.raises(ValueError, match="rpo_alpha does not apply to orpo"):
+        PreferenceLoss("orpo", rpo_alpha=1.0)
+    with pytest.raises(ValueError, match="rpo_alpha must be"):
+        PreferenceLoss(rpo_alpha=-1.0)
+    with pytest.raises(ValueError, match="dpop_lambda needs reference log-probs"):
+        PreferenceLoss("simpo", dpop_lambda=5.0)
+    with pytest.raises(ValueError, match="dpop_lambda needs reference log-probs"):
+        PreferenceLoss("sigmoid", reference_free=True, dpop_lambda=5.0)
+    with pytest.raises(ValueError, match="dpop_lambda must be"):
+        PreferenceLoss(dpop_lambda=float("nan"))
+    n = torch.tensor([2, 4])
+    pol = PairLogps(torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -2.0]), n, n)
+    ref = PairLogps(torch.tensor([-1.5, -2.0]), torch.tensor([-1.0, -2.5]), n, n)
+    st_ = PreferenceLoss(beta=0.5, rpo_alpha=1.0)(pol, ref).stats()
+    assert sorted(st_) == ["logps/chosen", "logps/rejected", "loss", "n_pairs", "nll_loss", "rewards/accuracies",
+                           "rewards/chosen", "rewards/margins", "rewards/rejected"]
+    assert st_["logps/chosen"] == -2.0 and st_["logps/rejected"] == -2.0 and st_["nll_loss"] == (0.5 + 0.75) / 2
+    assert st_["rewards/chosen"] == 0.5 * (0.5 - 1.0) / 2 and st_["rewards/margins"] == st_["rewards/chosen"] - st_["rewards/rejected"]
+
+
+# ---- likelihood displacement ------------------------------------------------------------------------------
+def _feed(monitor, chosen, margin):
+    return [monitor.update({"logps/chosen": c, "rewards/margins": m}) for c, m in zip(chosen, margin)]
+
+
+def test_displacement_warning_when_chosen_falls_while_margin_grows():
+    """The textbook displacement curve (chosen log-prob drifting down, margin up, with step noise) warns in
+    each window; the same noise around flat or rising chosen log-probs, or a falling margin, never does."""
+    g = np.random.default_rng(0)
+    steps = 120
+    noise = lambda: g.normal(0, 0.4, steps)
+    down, up = -5 - 0.05 * np.arange(steps) + noise(), 0.05 * np.arange(steps) + noise()
+    mon = LikelihoodDisplacementMonitor(window=30)
+    with pytest.warns(LikelihoodDisplacementWarning, match="chosen log-prob fell"):
+        msgs = _feed(mon, down, up)
+    fired = [i for i, m in enumerate(msgs) if m]
+    # windows of 30 steps, each tested once: warned at the end of a window, in most of them
+    assert fired[0] == 29 and set(fired) <= {29, 59, 89, 119} and len(fired) >= 3 and mon.fired == len(fired)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LikelihoodDisplacementWarning)
+        for chosen, margin in ((-5 + 0.05 * np.arange(steps) + noise(), up),  # chosen rises: healthy DPO
+                               (-5 + noise(), up),  # flat chosen: noise only
+                               (down, -0.05 * np.arange(steps) + noise()),  # both fall: no margin growth
+                               (-5 - 0.001 * np.arange(steps), up)):  # a steady but tiny fall (< min_drop)
+            assert not any(_feed(LikelihoodDisplacementMonitor(window=30), chosen, margin))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(-50, 0), min_size=4, max_size=60), st.lists(st.floats(-5, 5), min_size=60, max_size=60))
+def test_displacement_never_warns_on_rising_chosen_logps(chosen, margin):
+    """Invariant: a non-decreasing chosen log-prob sequence never warns, whatever the margins do."""
+    chosen = sorted(chosen)
+    mon = LikelihoodDisplacementMonitor(window=4, min_drop=0.0, t=0.0, warn=False)
+    assert not any(_feed(mon, chosen, margin))
+
+
+def test_displacement_monitor_state_round_trip():
+    g = np.random.default_rng(1)
+    down, up = -5 - 0.1 * np.arange(40) + g.normal(0, 0.1, 40), 0.1 * np.arange(40)
+    a, b = LikelihoodDisplacementMonitor(window=25, warn=False), LikelihoodDisplacementMonitor(window=25, warn=False)
+    _feed(a, down[:20], up[:20])
+    b.load_state_dict(a.state_dict())  # what a resume does
+    assert _feed(a, down[20:], up[20:]) == _feed(b, down[20:], up[20:])
+    assert a.fired == b.fired == 1 and len(b.chosen) == 40 - 25
+    with pytest.raises(ValueError, match="window must be >= 4"):
+        LikelihoodDisplacementMonitor(window=3)
 
 
 # ---- pair batches through a model -----------------------------------------------------------------

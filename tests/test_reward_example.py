@@ -21,7 +21,8 @@ def run(tmp_path_factory):
 
         out = tmp_path_factory.mktemp("rm")
         model, metrics = reward_model.main(["--demo", "--out", str(out), "--steps", "120", "--log-every", "40",
-                                            "--decay-rank", "8", "--decay-at", "0.75", "--offload-blocks", "1"])
+                                            "--decay-rank", "8", "--decay-at", "0.75", "--offload-blocks", "1",
+                                            "--onpolicy-policy", str(out / "demo" / "base")])
     finally:
         torch.set_num_threads(n)
         sys.path.remove(str(EXAMPLES))
@@ -48,6 +49,28 @@ def _padded(docs, pad):
     for i, d in enumerate(docs):
         ids[i, : len(d)], mask[i, : len(d)] = torch.tensor(d), 1
     return ids, mask
+
+
+def test_onpolicy_pairs_are_the_policys_answers_scored_by_the_reward_model(run):
+    """--onpolicy-policy: pairs of the policy's own answers to the training prompts, each side's reward the
+    trained reward model's score of the rendered conversation; two different sides, the chosen scored higher."""
+    from ftlib.data import render_chat
+    from ftlib.models import load_tokenizer, score
+
+    out, model, m = run
+    recs = [json.loads(line) for line in (out / "onpolicy" / "pairs.jsonl").read_text().splitlines()]
+    train_prompts = {json.dumps(json.loads(line)["messages"])
+                     for line in (out / "demo" / "pairs" / "train.jsonl").read_text().splitlines()}
+    assert m["onpolicy"]["pairs"] == len(recs) > 0 and m["onpolicy"]["prompts"] == len(train_prompts)
+    assert {json.dumps(r["messages"]) for r in recs} <= train_prompts
+    assert all(" ".join(r["chosen"].split()) != " ".join(r["rejected"].split()) for r in recs)
+    assert all(r["reward_chosen"] > r["reward_rejected"] for r in recs)
+    tok = load_tokenizer(out / "demo" / "base")
+    docs = [tok.encode(render_chat(r["messages"] + [{"role": "assistant", "content": r[side]}], tok.chat_template),
+                       add_special_tokens=False) for r in recs[:8] for side in ("chosen", "rejected")]
+    want = score(model, docs).tolist()
+    got = [r[f"reward_{side}"] for r in recs[:8] for side in ("chosen", "rejected")]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
 
 
 def test_demo_accuracy_rises_and_rewards_are_written(run):
