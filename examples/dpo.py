@@ -58,9 +58,16 @@ import torch
 import ftlib
 from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
-from ftlib.data import SkipReport, iter_records, render_chat
-from ftlib.data.pair_batches import MarginFilter, PairLoader
-from ftlib.data.pairs import PairConfig, PairFormatter, build_pair_cache
+from ftlib.data import (
+    MarginFilter,
+    PairConfig,
+    PairFormatter,
+    PairLoader,
+    SkipReport,
+    build_pair_cache,
+    iter_records,
+    render_chat,
+)
 from ftlib.distributed import init_distributed, wrap_ddp
 from ftlib.evaluation import exact_match as greedy_exact_match
 from ftlib.lora import LoRAConfig, apply_lora, count_params, load_adapter, merge_and_unload, save_adapter

@@ -60,8 +60,7 @@ import torch
 
 from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
-from ftlib.data import FormatConfig, TokenLoader, build_cache, iter_records, render_chat
-from ftlib.data.split import heldout_split
+from ftlib.data import FormatConfig, TokenLoader, build_cache, heldout_split, iter_records, render_chat
 from ftlib.distributed import (
     ShardedCheckpointer,
     device_mesh,

@@ -55,8 +55,7 @@ import torch
 
 from ftlib._atomic import atomic_write
 from ftlib.clip import GlobalNormClipper
-from ftlib.data import SkipReport, iter_records, render_chat
-from ftlib.data.pairs import PairConfig
+from ftlib.data import PairConfig, SkipReport, iter_records, render_chat
 from ftlib.lora import (
     LoRAConfig,
     RankDecay,

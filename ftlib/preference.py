@@ -69,6 +69,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ._dist import comm_device, get_rank, get_world_size
 from .losses import IGNORE_INDEX, head_weight
 
 __all__ = [
@@ -262,13 +263,10 @@ def precompute_reference(model, cache, name: str, *, pad_id: int, seq_len: int |
     its share of the pairs, the values are summed across ranks, rank 0 writes the file and every
     rank attaches it. Returns the cache.
     """
-    import torch.distributed as dist
-
     from ._atomic import atomic_write
-    from .data.pair_batches import PairLoader
+    from .data import PairLoader
 
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    rank = dist.get_rank() if world > 1 else 0
+    world, rank = get_world_size(), get_rank()
     ref_attached, cache.reference = cache.reference, None  # batches must not carry an old reference
     try:
         sc, sr = cache.side_lengths
@@ -291,9 +289,8 @@ def precompute_reference(model, cache, name: str, *, pad_id: int, seq_len: int |
             values[1, ids] = ref.rejected.double().cpu().numpy()
             values[2, ids] += 1
         if world > 1:
-            comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-            t = torch.from_numpy(values).to(comm)
-            dist.all_reduce(t)
+            t = torch.from_numpy(values).to(comm_device())
+            torch.distributed.all_reduce(t)
             values = t.cpu().numpy()
     except BaseException:
         cache.reference = ref_attached
@@ -314,7 +311,7 @@ def precompute_reference(model, cache, name: str, *, pad_id: int, seq_len: int |
                     metadata=meta)
         atomic_write(path, lambda tmp: tmp.write_bytes(data))
     if world > 1:
-        dist.barrier()
+        torch.distributed.barrier()
     cache.load_reference(name)
     return cache
 

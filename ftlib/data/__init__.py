@@ -43,6 +43,7 @@ from .pairs import (
 )
 from .report import DataError, SkipReport
 from .sources import (
+    ReadLimits,
     Shard,
     decode_item,
     iter_raw,
@@ -52,6 +53,7 @@ from .sources import (
     resolve_hub_dataset,
     shard_fingerprint,
 )
+from .split import DocSubset, heldout_split
 
 __all__ = [
     "BUILTIN_TEMPLATES",
@@ -59,6 +61,7 @@ __all__ = [
     "CHOSEN_BIT",
     "CacheError",
     "DataError",
+    "DocSubset",
     "FormatConfig",
     "FormattedDoc",
     "Formatter",
@@ -72,6 +75,7 @@ __all__ = [
     "PairFormatter",
     "PairLoader",
     "REJECTED_BIT",
+    "ReadLimits",
     "Shard",
     "SkipReport",
     "TemplateLimitError",
@@ -87,6 +91,7 @@ __all__ = [
     "cpp_available",
     "decode_item",
     "detect_turn_end",
+    "heldout_split",
     "iter_raw",
     "iter_records",
     "length_grouped_batches",
