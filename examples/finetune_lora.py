@@ -204,14 +204,15 @@ def parse_args(argv=None):
     for name in ("seq_len", "batch_size", "grad_accum", "epochs", "max_steps", "lora_r", "threads", "num_proc"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if (args.eval_generate or args.sample_every) and not args.eval_data:
+    eval_records = args.eval_data or (args.demo and not args.eval_split)  # the demo brings its held-out file
+    if (args.eval_generate or args.sample_every) and not eval_records:
         flag = "--eval-generate" if args.eval_generate else "--sample-every"
         parser.error(f"{flag} answers the chat records of --eval-data"
                      + (": --eval-split holds out token documents, not records; put the held-out records in a "
                         "file and pass it as --eval-data" if args.eval_split else "; pass --eval-data FILE"))
     if (args.eval_generate or args.sample_every) and args.kind != "chat":
         parser.error(f"{'--eval-generate' if args.eval_generate else '--sample-every'} needs chat records (--kind chat)")
-    if args.early_stop and not (args.eval_data or args.eval_split):
+    if args.early_stop and not (eval_records or args.eval_split):
         parser.error("--early-stop watches the held-out loss: pass --eval-data FILE or --eval-split FRACTION")
     args.report_to = [s.strip() for s in args.report_to.split(",") if s.strip()] if isinstance(args.report_to, str) \
         else list(args.report_to or [])
