@@ -14,7 +14,7 @@ Read it top to bottom, copy it, change it. The recipe:
 A real run on one GPU (Llama-3-8B, QLoRA, chat data in JSONL with a "messages" field):
 
     python examples/finetune_lora.py --model meta-llama/Meta-Llama-3-8B-Instruct \\
-        --data data/chat/ --eval-data data/chat-eval/ --format chat --qlora --grad-ckpt \\
+        --data data/chat/ --eval-data data/chat-eval/ --qlora --grad-ckpt \\
         --seq-len 4096 --batch-size 2 --grad-accum 8 --lr 2e-4 --out runs/llama3-qlora
 
 Killed? Run the same command with --resume: it continues from the newest complete checkpoint in
@@ -39,6 +39,13 @@ data by rank and the loss is normalised by the target tokens of the whole window
     torchrun --standalone --nproc_per_node=8 examples/finetune_lora.py --engine fsdp \\
         --model meta-llama/Meta-Llama-3-8B-Instruct --data data/chat/ --qlora --grad-ckpt \\
         --seq-len 4096 --batch-size 2 --grad-accum 4 --save-every 200 --out runs/llama3-qlora-fsdp
+
+The flags are shared with the other scripts and ``python -m ftlib.data build`` (``ftlib.train.cli``;
+the README has the table): ``--lenient`` skips bad records and saves the report in --out;
+``--data`` may be a cache built by ``python -m ftlib.data build``; the chat template is the
+tokenizer's unless ``--chat-template`` names one, a run without one is refused, and the template
+used is written beside the adapter, every checkpoint and the merged model; ``--config FILE``
+(YAML/JSON, a run.json too) sits under the flags; ``--max-steps`` overrides ``--epochs``.
 
 ``--demo`` builds a tiny model, tokenizer and chat dataset on the fly (no download): a random
 2-layer model learns to reverse word lists, checked on 64 lists it never saw, in about a minute
@@ -128,7 +135,7 @@ SETTINGS = ("model", "kind", "chat_template", "seq_len", "batch_size", "grad_acc
             "lora_plus", "weight_decay", "warmup_ratio", "schedule", "clip", "lora_r", "lora_alpha", "lora_dropout",
             "targets", "rslora", "dora", "qlora", "eval_split", "seed", "augment", "augment_lexicon",
             "augment_swap_prob", "augment_mask_prob", "augment_mask_token", "neftune_alpha", "lenient", "early_stop",
-            "early_stop_delta", "compile")
+            "early_stop_delta")
 FIXED = ("model", "kind", "chat_template", "seq_len", "lora_r", "lora_alpha", "targets", "rslora", "dora",
          "eval_split", "seed", "precision", "data_fingerprint", "checkpoint_layout")
 

@@ -257,3 +257,15 @@ def test_item6_wandb_offline_or_a_clean_refusal(user, tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr[-3000:]
     assert list((tmp_path / "w" / "wandb").glob("offline-run-*"))
 
+
+
+@pytest.mark.slow
+def test_item6_compile_trains_as_eager(user, tmp_path):
+    """--compile (minutes of compilation on a small CPU): the same losses as the eager run, to float tolerance."""
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        r = train("--model", user["model"], "--data", user["train"], "--lenient", "--max-steps", "2", "--out",
+                  tmp_path / name, *extra, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = [x["loss"] for x in metrics(tmp_path / name) if "kind" not in x]
+    assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-4)
