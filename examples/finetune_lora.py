@@ -70,6 +70,7 @@ from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
 from ftlib.data import (
     BUILTIN_TEMPLATES,
+    CacheError,
     DataError,
     FormatConfig,
     SkipReport,
@@ -307,7 +308,10 @@ def open_prebuilt(cache_dir: str, flag: str, tok, args):
     """A cache from ``python -m ftlib.data build`` as --data / --eval-data: it must have been built with
     this model's tokenizer and fit --seq-len; its format (kind, template) is the run's. Returns
     (cache, FormatConfig, ChatTemplate or None)."""
-    cache = open_cache(cache_dir)
+    try:
+        cache = open_cache(cache_dir)
+    except CacheError as e:
+        usage_error(f"{flag}: {e}")
     m = cache.manifest
     if m.get("tokenizer_sha256") != hashlib.sha256(tok.tokenizer.to_str().encode()).hexdigest():
         usage_error(f"{flag} {cache_dir}: this cache was built with another tokenizer than --model {args.model}'s; "

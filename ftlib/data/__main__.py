@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .cache import build_cache, open_cache
+from .cache import CacheError, build_cache, open_cache
 from .cli import (
     FlagError,
     FlagParser,
@@ -88,7 +88,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     if a.cmd == "info":
-        c = open_cache(a.cache, verify=a.verify)
+        try:
+            c = open_cache(a.cache, verify=a.verify)
+        except CacheError as e:
+            i.error(str(e))
         print(json.dumps({"n_docs": len(c), "n_tokens": c.n_tokens, "dtype": c.dtype.name,
                           "source_fingerprint": c.manifest.get("fingerprint_mode"),
                           "shards": len(c.manifest["shards"]), "n_truncated": c.n_truncated,

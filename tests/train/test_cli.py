@@ -95,6 +95,19 @@ def test_item1_lenient_run_prints_and_saves_every_skip(config_runs):
     assert saved["counts"] == {"malformed_json": 1, "missing_field": 1, "bad_field": 1}
 
 
+def test_item7_log_lines_read_cleanly(config_runs):
+    _, ra, _, _ = config_runs
+    assert "trainable params: 1,024 / " in ra.stdout and "trainable params: trainable params" not in ra.stdout
+    assert "PackStats(" not in ra.stdout and "packing: 18 rows of 64 tokens, " in ra.stdout
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import finetune_lora
+    finally:
+        sys.path.pop(0)
+    help_text = finetune_lora.build_parser().format_help()
+    assert "no progress bar" not in help_text and "a terminal gets a progress bar" in help_text
+
+
 def test_item5_max_steps_overrides_epochs(config_runs):
     a, ra, _, _ = config_runs
     steps = [r["step"] for r in metrics(a) if "kind" not in r]
