@@ -681,7 +681,8 @@ def main(argv=None):
                 for r in rows:
                     logger.write(f"sample @ step {step}: {r['prompt'][-60:]!r} -> {r['output']!r}")
             if ckpt is not None and ((save_every and step % save_every == 0) or step == total or early["stopped"]):
-                done = ckpt.latest() if rank == 0 else None  # the previous save has finished: tokenizer beside it
+                # the last finished save (a background one may still run): the tokenizer and template beside it
+                done = getattr(ckpt, "last_saved", None) if rank == 0 else None
                 if done is not None and done.exists() and done not in tokenized:
                     save_tokenizer(done)
                 ckpt.save(step, model=train_model if sharded else model, optimizer=opt, scheduler=sched,

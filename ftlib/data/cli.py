@@ -71,10 +71,11 @@ def flag_message(msg: str, renames: dict[str, str] | None = None) -> str:
     return re.sub(r"FormatConfig\.(\w+)", lambda m: flags.get(m.group(1), m.group(0)), msg)
 
 
-def add_format_flags(p: argparse.ArgumentParser) -> None:
-    """The record-format flags (see the module docstring), in a group of their own."""
+def add_format_flags(p: argparse.ArgumentParser, *, kinds: tuple[str, ...] = ("chat", "instruction", "text")) -> None:
+    """The record-format flags (see the module docstring), in a group of their own. ``kinds``: the
+    ``--kind`` values a command reads (a preference-pair script: chat and text)."""
     g = p.add_argument_group("data format")
-    g.add_argument("--kind", "--format", dest="kind", choices=["chat", "instruction", "text"], default="chat",
+    g.add_argument("--kind", "--format", dest="kind", choices=list(kinds), default=kinds[0],
                    help="chat: a 'messages' list (or ShareGPT 'conversations'); instruction: prompt/response "
                         "fields; text: raw text, every token trained (default: chat; --format is the old name)")
     g.add_argument("--chat-template", default=None,

@@ -55,7 +55,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
-def add_data_flags(p: argparse.ArgumentParser) -> None:
+def add_data_flags(p: argparse.ArgumentParser, *, kinds: tuple[str, ...] = ("chat", "instruction", "text")) -> None:
+    """--data, --eval-data, --eval-split, --num-workers and the record-format flags (``kinds``: the
+    --kind values the script reads)."""
     g = p.add_argument_group("data")
     g.add_argument("--data", nargs="+",
                    help="JSONL/Parquet/text files, folders, tar shards, or one cache built by python -m ftlib.data build")
@@ -63,7 +65,7 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-split", type=float, default=0.0,
                    help="without --eval-data: hold out this fraction of the training documents")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
-    add_format_flags(p)
+    add_format_flags(p, kinds=kinds)
 
 
 def add_loop_flags(p: argparse.ArgumentParser) -> None:
