@@ -529,7 +529,10 @@ def main(argv=None):
     seed_everything(args.seed)
 
     # 1. base model + tokenizer + adapters; the loss module, wrapped for several ranks.
-    model, tok = load_model(args, device, precision)
+    try:
+        model, tok = load_model(args, device, precision)
+    except (FileNotFoundError, ValueError) as e:  # no such folder or repo, no tokenizer.json, a bad config
+        usage_error(f"--model {args.model}: {e}")
     log(str(count_params(model)))  # "trainable params: N / M (x%)"
     augment_step = setup_augmentation(args, tok, model, device, rank, log)  # None without the flags
     flops = FlopsModel.from_model(model)  # before sharding: the full parameter shapes

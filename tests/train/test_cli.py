@@ -191,6 +191,11 @@ def test_item3_4_same_flags_same_defaults_and_flag_errors(user, tmp_path):
     r = run_cli("-m", "ftlib.data", "build", "--source", user["train"], "--tokenizer", user["model"], "--out",
                 tmp_path / "c2", "--chat-template", "chatmll", "--num-proc", "1")
     one_line_error(r, "--chat-template", "did you mean 'chatml'")
+    r = train("--model", tmp_path / "no-such-model", "--data", user["train"], "--out", tmp_path / "o2")
+    one_line_error(r, "--model", "no-such-model")
+    r = run_cli("-m", "ftlib.data", "build", "--source", user["train"], "--tokenizer", tmp_path / "nope", "--out",
+                tmp_path / "c3", "--num-proc", "1")
+    one_line_error(r, "--tokenizer", "nope")
 
     # the shared flags have the same names, defaults and help in both commands
     import argparse
