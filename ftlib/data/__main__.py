@@ -66,7 +66,9 @@ def main(argv=None) -> int:
     b.add_argument("--eos-token", default=None, help="default: the tokenizer's")
     b.add_argument("--add-bos", action="store_true", default=None)
     b.add_argument("--no-eos", action="store_true", help="do not append EOS (text kind)")
-    b.add_argument("--max-length", type=int, default=None)
+    b.add_argument("--max-length", type=int, default=None,
+                   help="longest document in tokens, cut by --truncation (a cache for finetune_lora.py --data "
+                        "needs at most its --seq-len)")
     b.add_argument("--truncation", default="prompt_left", choices=list(TRUNCATIONS))
     b.add_argument("--head-tail", default="0.5",
                    help="head_tail truncation: share of kept tokens from the head (0.5) or head tokens (an int)")
