@@ -14,7 +14,7 @@ Read it top to bottom, copy it, change it. The recipe:
 A real run on one GPU (Llama-3-8B, QLoRA, chat data in JSONL with a "messages" field):
 
     python examples/finetune_lora.py --model meta-llama/Meta-Llama-3-8B-Instruct \\
-        --data data/chat/ --eval-data data/chat-eval/ --format chat --qlora --grad-ckpt \\
+        --data data/chat/ --eval-data data/chat-eval/ --qlora --grad-ckpt \\
         --seq-len 4096 --batch-size 2 --grad-accum 8 --lr 2e-4 --out runs/llama3-qlora
 
 Killed? Run the same command with --resume: it continues from the newest complete checkpoint in
@@ -40,6 +40,13 @@ data by rank and the loss is normalised by the target tokens of the whole window
         --model meta-llama/Meta-Llama-3-8B-Instruct --data data/chat/ --qlora --grad-ckpt \\
         --seq-len 4096 --batch-size 2 --grad-accum 4 --save-every 200 --out runs/llama3-qlora-fsdp
 
+The flags are shared with the other scripts and ``python -m ftlib.data build`` (``ftlib.train.cli``;
+the README has the table): ``--lenient`` skips bad records and saves the report in --out;
+``--data`` may be a cache built by ``python -m ftlib.data build``; the chat template is the
+tokenizer's unless ``--chat-template`` names one, a run without one is refused, and the template
+used is written beside the adapter, every checkpoint and the merged model; ``--config FILE``
+(YAML/JSON, a run.json too) sits under the flags; ``--max-steps`` overrides ``--epochs``.
+
 ``--demo`` builds a tiny model, tokenizer and chat dataset on the fly (no download): a random
 2-layer model learns to reverse word lists, checked on 64 lists it never saw, in about a minute
 or two on a laptop CPU.
@@ -50,6 +57,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import time
@@ -60,7 +68,22 @@ import torch
 
 from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
-from ftlib.data import FormatConfig, TokenLoader, build_cache, heldout_split, iter_records, render_chat
+from ftlib.data import (
+    BUILTIN_TEMPLATES,
+    CacheError,
+    DataError,
+    FormatConfig,
+    SkipReport,
+    TokenLoader,
+    build_cache,
+    heldout_split,
+    iter_records,
+    open_cache,
+    render_chat,
+)
+from ftlib.data.cli import FlagError, FlagParser, data_error_message, format_config_from_args
+from ftlib.data.sharegpt import chat_turns
+from ftlib.data.templates import ChatTemplate
 from ftlib.distributed import (
     ShardedCheckpointer,
     device_mesh,
@@ -78,8 +101,17 @@ from ftlib.models import load_pretrained, load_tokenizer
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups
 from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
 from ftlib.train import (
+    LOGGERS,
     ResumeError,
+    add_data_flags,
+    add_eval_flags,
+    add_loop_flags,
+    add_model_flags,
+    add_output_flags,
     copy_tokenizer_files,
+    cpu_threads,
+    open_loggers,
+    parse_with_config,
     plan_steps,
     resume_train_state,
     run_extra,
@@ -100,125 +132,132 @@ DEMO_DEFAULTS = {"seq_len": 256, "batch_size": 4, "grad_accum": 1, "epochs": 4, 
 # What a resume compares with the checkpoint's run (ftlib.train.resume): a change is refused unless
 # --override names it; FIXED ones cannot be overridden (the saved state or the data order depends on
 # them). batch_size and grad_accum are checked together with the world size, as the global batch.
-SETTINGS = ("model", "format", "chat_template", "seq_len", "batch_size", "grad_accum", "epochs", "max_steps", "lr",
+SETTINGS = ("model", "kind", "chat_template", "seq_len", "batch_size", "grad_accum", "epochs", "max_steps", "lr",
             "lora_plus", "weight_decay", "warmup_ratio", "schedule", "clip", "lora_r", "lora_alpha", "lora_dropout",
             "targets", "rslora", "dora", "qlora", "eval_split", "seed", "augment", "augment_lexicon",
-            "augment_swap_prob", "augment_mask_prob", "augment_mask_token", "neftune_alpha")
-FIXED = ("model", "format", "chat_template", "seq_len", "lora_r", "lora_alpha", "targets", "rslora", "dora",
+            "augment_swap_prob", "augment_mask_prob", "augment_mask_token", "neftune_alpha", "lenient", "early_stop",
+            "early_stop_delta")
+FIXED = ("model", "kind", "chat_template", "seq_len", "lora_r", "lora_alpha", "targets", "rslora", "dora",
          "eval_split", "seed", "precision", "data_fingerprint", "checkpoint_layout")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="HF model folder or hub repo id")
-    p.add_argument("--data", nargs="+", help="JSONL/Parquet/text files, folders or tar shards")
-    p.add_argument("--format", choices=["chat", "instruction", "text"], default="chat")
-    p.add_argument("--chat-template", help="Jinja text or a built-in name (chatml, llama3); default: the tokenizer's")
-    p.add_argument("--out", required=True, help="output folder (cache, checkpoints, metrics, adapter, run.json)")
+    p = FlagParser(description=__doc__.split("\n")[0])
+    # the flags every ftlib script shares (ftlib.train.cli); --seq-len etc. defaults: DEFAULTS / DEMO_DEFAULTS
+    add_model_flags(p)
+    add_data_flags(p)
+    add_loop_flags(p)
+    add_eval_flags(p)
+    add_output_flags(p)
     p.add_argument("--seq-len", type=int, default=None, help="packed row length (default 2048; demo 256)")
-    p.add_argument("--batch-size", type=int, default=None, help="packed rows per micro-batch per rank (4; demo 4)")
-    p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per optimizer step (4; demo 1)")
-    p.add_argument("--epochs", type=int, default=None, help="passes over the data (1; demo 4)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (2e-4; demo 1.5e-3)")
-    p.add_argument("--lora-plus", type=float, default=None, help="LoRA+ ratio: lr of B = ratio * lr")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup-ratio", type=float, default=0.03)
-    p.add_argument("--schedule", choices=["cosine", "linear", "constant", "plateau"], default="cosine")
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm bound")
-    p.add_argument("--lora-r", type=int, default=None, help="adapter rank (16; demo 64)")
-    p.add_argument("--lora-alpha", type=float, default=None, help="adapter scale numerator (32; demo 256)")
-    p.add_argument("--lora-dropout", type=float, default=0.05)
-    p.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
-    p.add_argument("--rslora", action="store_true")
-    p.add_argument("--dora", action="store_true")
-    p.add_argument("--qlora", action="store_true", help="NF4 base weights (double-quantized absmax)")
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on every block")
-    p.add_argument("--num-proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="tokenizer processes")
-    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op CPU threads (default: torch's choice; demo on CPU: 1)")
+    g = p.add_argument_group("adapter")
+    g.add_argument("--lora-plus", type=float, default=None, help="LoRA+ ratio: lr of B = ratio * lr")
+    g.add_argument("--lora-r", type=int, default=None, help="adapter rank (16; demo 64)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="adapter scale numerator (32; demo 256)")
+    g.add_argument("--lora-dropout", type=float, default=0.05)
+    g.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
+    g.add_argument("--rslora", action="store_true")
+    g.add_argument("--dora", action="store_true")
+    g.add_argument("--qlora", action="store_true", help="NF4 base weights (double-quantized absmax)")
+    g.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on every block")
     # several ranks
-    p.add_argument("--engine", choices=["none", "ddp", "fsdp"], default=None,
+    g = p.add_argument_group("several ranks")
+    g.add_argument("--engine", choices=["none", "ddp", "fsdp"], default=None,
                    help="none: one process; ddp: replicate, average gradients; fsdp: shard (FSDP2/HSDP). "
                         "Default: none, ddp under torchrun")
-    p.add_argument("--shard-size", type=int, default=None,
+    g.add_argument("--shard-size", type=int, default=None,
                    help="fsdp: HSDP, shard within groups of this many ranks (a node), replicate across groups")
-    p.add_argument("--cpu-offload", action="store_true", help="fsdp: parameters, gradients, optimizer state on the host")
-    p.add_argument("--no-reshard-after-forward", action="store_true",
+    g.add_argument("--cpu-offload", action="store_true", help="fsdp: parameters, gradients, optimizer state on the host")
+    g.add_argument("--no-reshard-after-forward", action="store_true",
                    help="fsdp: keep gathered weights from forward to backward (more memory, less communication)")
-    p.add_argument("--compression", choices=["fp16", "bf16", "powersgd"], default=None, help="ddp gradient compression")
-    # evaluation
-    p.add_argument("--eval-data", nargs="+", help="held-out files/folders (same format as --data)")
-    p.add_argument("--eval-split", type=float, default=0.0,
-                   help="without --eval-data: hold out this fraction of the training documents")
-    p.add_argument("--eval-every", type=int, default=None, help="steps between held-out evals (default: --save-every)")
-    p.add_argument("--eval-generate", type=int, default=None,
+    g.add_argument("--compression", choices=["fp16", "bf16", "powersgd"], default=None, help="ddp gradient compression")
+    g = p.add_argument_group("this script")
+    g.add_argument("--eval-generate", type=int, default=None,
                    help="answer this many --eval-data chat records by greedy generation and report exact match "
                         "before and after training (0: off; demo: all 64)")
-    p.add_argument("--eval-max-new-tokens", type=int, default=32)
-    # checkpoints, metrics
-    p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --out")
-    p.add_argument("--override", default="",
-                   help="with --resume: comma-separated settings whose new values the resumed run takes (e.g. lr,clip)")
-    p.add_argument("--save-every", type=int, default=None,
-                   help="steps between checkpoints (default: 10%% of the run; 0: only the final one)")
-    p.add_argument("--keep", type=int, default=3, help="newest checkpoints kept (plus the best by eval loss)")
-    p.add_argument("--log-every", type=int, default=10, help="steps between printed lines (no progress bar)")
-    p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard scalars to --out/tb")
-    p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known GPUs)")
-    p.add_argument("--save-merged", action="store_true", help="also write a merged bf16 HF checkpoint")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--demo", action="store_true", help="tiny model + data built on the fly")
+    g.add_argument("--eval-max-new-tokens", type=int, default=32, help="generation length (--eval-generate, samples)")
+    g.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known GPUs)")
+    g.add_argument("--save-merged", action="store_true", help="also write a merged bf16 HF checkpoint")
+    g.add_argument("--demo", action="store_true", help="tiny model + data built on the fly")
     # On-device augmentation of each batch (see setup_augmentation at the end of this file).
-    p.add_argument("--augment", action="store_true", help="synonym swap + masking of target tokens on the device")
-    p.add_argument("--augment-lexicon", default=str(Path(__file__).resolve().parent / "demo_lexicon"),
+    g.add_argument("--augment", action="store_true", help="synonym swap + masking of target tokens on the device")
+    g.add_argument("--augment-lexicon", default=str(Path(__file__).resolve().parent / "demo_lexicon"),
                    help="folder with synonyms.tsv (+ pos.tsv); default: the demo lexicon")
-    p.add_argument("--augment-swap-prob", type=float, default=0.15)
-    p.add_argument("--augment-mask-prob", type=float, default=0.05)
-    p.add_argument("--augment-mask-token", help="mask token (default: the tokenizer's unk token)")
-    p.add_argument("--neftune-alpha", type=float, default=None, help="NEFTune embedding noise (5-15 typical)")
+    g.add_argument("--augment-swap-prob", type=float, default=0.15)
+    g.add_argument("--augment-mask-prob", type=float, default=0.05)
+    g.add_argument("--augment-mask-token", help="mask token (default: the tokenizer's unk token)")
+    g.add_argument("--neftune-alpha", type=float, default=None, help="NEFTune embedding noise (5-15 typical)")
     return p
 
 
 def parse_args(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_with_config(parser, argv)  # --config FILE under the flags
+    if args.demo and args.eval_split and args.eval_generate is None:
+        args.eval_generate = 0  # the demo's questions are its --eval-data; a split holds out token documents
     for k, v in (DEMO_DEFAULTS if args.demo else DEFAULTS).items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
+    if not args.out:
+        parser.error("--out is required (the run's folder)")
     if not args.demo and (args.model is None or args.data is None):
         parser.error("--model and --data are required (or use --demo)")
     if not 0.0 <= args.eval_split < 1.0:
         parser.error(f"--eval-split must be in [0, 1), got {args.eval_split}")
     if args.eval_data and args.eval_split:
         parser.error("give --eval-data or --eval-split, not both")
-    for name in ("save_every", "eval_every", "eval_generate"):
+    for name in ("save_every", "eval_every", "eval_generate", "early_stop", "sample_every", "sample_prompts"):
         if (getattr(args, name) or 0) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
+    for name in ("seq_len", "batch_size", "grad_accum", "epochs", "max_steps", "lora_r", "threads", "num_proc"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    eval_records = args.eval_data or (args.demo and not args.eval_split)  # the demo brings its held-out file
+    if (args.eval_generate or args.sample_every) and not eval_records:
+        flag = "--eval-generate" if args.eval_generate else "--sample-every"
+        parser.error(f"{flag} answers the chat records of --eval-data"
+                     + (": --eval-split holds out token documents, not records; put the held-out records in a "
+                        "file and pass it as --eval-data" if args.eval_split else "; pass --eval-data FILE"))
+    if (args.eval_generate or args.sample_every) and args.kind != "chat":
+        parser.error(f"{'--eval-generate' if args.eval_generate else '--sample-every'} needs chat records (--kind chat)")
+    if args.early_stop and not (eval_records or args.eval_split):
+        parser.error("--early-stop watches the held-out loss: pass --eval-data FILE or --eval-split FRACTION")
+    args.report_to = [s.strip() for s in args.report_to.split(",") if s.strip()] if isinstance(args.report_to, str) \
+        else list(args.report_to or [])
+    if args.tensorboard and "tensorboard" not in args.report_to:
+        args.report_to.append("tensorboard")
+    args.tensorboard = False
+    for name in args.report_to:
+        if name not in LOGGERS:
+            parser.error(f"--report-to {name}: not one of {', '.join(LOGGERS)}")
+        if importlib.util.find_spec(name) is None:
+            parser.error(f"--report-to {name} needs the {name} package: pip install {name} (or drop it)")
     args.override = [s.strip().replace("-", "_") for s in args.override.split(",") if s.strip()]
     if args.override and not args.resume:
         parser.error("--override applies to --resume")
     return args
 
 
+def usage_error(msg: str):
+    """A user error found after parsing: one line on stderr, exit 2 (as argparse does)."""
+    build_parser().error(msg)
+
+
 def check_engine(args, world: int) -> None:
     """--engine and its options fit together and with the number of ranks."""
     args.engine = args.engine or ("ddp" if world > 1 else "none")
     if args.engine == "none" and world > 1:
-        raise SystemExit(f"--engine none runs one process, but torchrun started {world}: use --engine ddp or fsdp")
+        usage_error(f"--engine none runs one process, but torchrun started {world}: use --engine ddp or fsdp")
     if args.engine != "none" and world == 1 and "RANK" not in os.environ:
-        raise SystemExit(f"--engine {args.engine} needs torchrun (torchrun --nproc_per_node=N {Path(__file__).name} ...)")
+        usage_error(f"--engine {args.engine} needs torchrun (torchrun --nproc_per_node=N {Path(__file__).name} ...)")
     if args.engine != "ddp" and args.compression:
-        raise SystemExit("--compression is a DDP option (--engine ddp)")
+        usage_error("--compression is a DDP option (--engine ddp)")
     if args.engine != "fsdp" and (args.shard_size or args.cpu_offload or args.no_reshard_after_forward):
-        raise SystemExit("--shard-size, --cpu-offload and --no-reshard-after-forward are FSDP2 options (--engine fsdp)")
-    if args.engine == "fsdp" and args.eval_generate:
-        if not args.demo:
-            raise SystemExit("--eval-generate is not available under --engine fsdp: generate with finetune_lora.py "
-                             "from the exported adapter")
+        usage_error("--shard-size, --cpu-offload and --no-reshard-after-forward are FSDP2 options (--engine fsdp)")
+    if args.engine == "fsdp" and (args.eval_generate or args.sample_every):
+        if not args.demo or args.sample_every:
+            usage_error("--eval-generate and --sample-every are not available under --engine fsdp (generation needs "
+                        "the whole model on one rank): generate with finetune_lora.py from the exported adapter")
         args.eval_generate = 0
 
 
@@ -230,7 +269,7 @@ def prepare_demo(args, out: Path, rank: int, world: int) -> None:
         make_demo_assets(out / "demo")
     if world > 1:
         torch.distributed.barrier()
-    args.model, args.data, args.format = str(out / "demo" / "base"), [str(out / "demo" / "data")], "chat"
+    args.model, args.data, args.kind = str(out / "demo" / "base"), [str(out / "demo" / "data")], "chat"
     if not args.eval_data and not args.eval_split:
         args.eval_data = [str(out / "demo" / "eval")]
 
@@ -253,23 +292,109 @@ def load_model(args, device: torch.device, precision: str):
     return model, tok
 
 
-def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device):
-    """Tokenize once (cached, fingerprinted), pack rows of seq_len without cross-document attention.
+def _token_cache_dir(src) -> str | None:
+    """The folder when ``src`` is exactly one token cache built by ``python -m ftlib.data build``."""
+    if src and len(src) == 1 and os.path.isfile(os.path.join(src[0], "manifest.json")):
+        try:
+            manifest = json.loads(Path(src[0], "manifest.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if isinstance(manifest, dict) and "shards" in manifest and "format_config" in manifest:
+            return src[0]
+    return None
 
-    Returns (train loader, eval loader or None, format config, fingerprint of the data)."""
-    template = args.chat_template or tok.chat_template or "chatml"
-    fcfg = FormatConfig(kind=args.format, chat_template=None if args.format == "text" else template,
-                        eos_token=tok.eos_token, bos_token=tok.bos_token, max_length=args.seq_len)
-    caches = {}
+
+def open_prebuilt(cache_dir: str, flag: str, tok, args):
+    """A cache from ``python -m ftlib.data build`` as --data / --eval-data: it must have been built with
+    this model's tokenizer and fit --seq-len; its format (kind, template) is the run's. Returns
+    (cache, FormatConfig, ChatTemplate or None)."""
+    try:
+        cache = open_cache(cache_dir)
+    except CacheError as e:
+        usage_error(f"{flag}: {e}")
+    m = cache.manifest
+    if m.get("tokenizer_sha256") != hashlib.sha256(tok.tokenizer.to_str().encode()).hexdigest():
+        usage_error(f"{flag} {cache_dir}: this cache was built with another tokenizer than --model {args.model}'s; "
+                    f"rebuild it with python -m ftlib.data build --tokenizer {args.model} ...")
+    if m.get("format_class") not in (None, "ftlib.data.formatting.FormatConfig"):
+        usage_error(f"{flag} {cache_dir}: built with {m['format_class']}, not chat/instruction/text records")
+    fcfg = FormatConfig(**m["format_config"])
+    longest = int(cache.lengths.max()) if len(cache) else 0
+    if longest > args.seq_len:
+        usage_error(f"{flag} {cache_dir}: holds documents of up to {longest} tokens, longer than --seq-len "
+                    f"{args.seq_len}; rebuild it with --max-length {args.seq_len} or raise --seq-len")
+    template = None
+    if fcfg.kind != "text":
+        text = BUILTIN_TEMPLATES.get(fcfg.chat_template, fcfg.chat_template)
+        template = ChatTemplate(text, f"the cache {cache_dir}")
+    return cache, fcfg, template
+
+
+def _overlap(train_docs, eval_docs) -> int:
+    """Held-out documents whose tokens equal a training document's (exact duplicates)."""
+    if eval_docs is None:
+        return 0
+    eval_lengths = {int(n) for n in eval_docs.lengths} if hasattr(eval_docs, "lengths") else None
+    seen = set()
+    for i in range(len(train_docs)):
+        ids = train_docs[i][0]
+        if eval_lengths is None or len(ids) in eval_lengths:
+            seen.add(hashlib.sha1(ids.astype("int64").tobytes()).digest())
+    return sum(hashlib.sha1(eval_docs[i][0].astype("int64").tobytes()).digest() in seen for i in range(len(eval_docs)))
+
+
+def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device, log):
+    """Tokenize once (cached, fingerprinted), pack rows of seq_len without cross-document attention.
+    --data / --eval-data may also be a cache built by ``python -m ftlib.data build``.
+
+    Returns (train loader, eval loader or None, format config, chat template or None, fingerprint of
+    the data, number of held-out documents also in the training data)."""
+    prebuilt = {name: _token_cache_dir(src) for name, src in (("train", args.data), ("eval", args.eval_data))}
+    caches, fcfg, template = {}, None, None
+    if prebuilt["train"]:
+        caches["train"], fcfg, template = open_prebuilt(prebuilt["train"], "--data", tok, args)
+        if args.chat_template is not None:
+            usage_error(f"--chat-template: --data {prebuilt['train']} was tokenized with its own template; drop "
+                        "--chat-template, or rebuild the cache with it")
+        if fcfg.kind != args.kind:
+            log(f"data: the cache holds {fcfg.kind} records (--kind {args.kind} does not apply to it)")
+            args.kind = fcfg.kind
+    else:
+        try:
+            fcfg, template = format_config_from_args(args, tok, max_length=args.seq_len,
+                                                     renames={"max_length": "--seq-len"})
+        except FlagError as e:
+            usage_error(str(e))
+    reports = {}
     for name, src in {"train": args.data, "eval": args.eval_data}.items():
-        if not src:
+        if not src or name in caches:
+            continue
+        if prebuilt[name]:
+            caches[name], efcfg, _ = open_prebuilt(prebuilt[name], "--eval-data", tok, args)
+            if efcfg.fingerprint() != fcfg.fingerprint():
+                usage_error(f"--eval-data {prebuilt[name]}: built with other format settings than the training data "
+                            "(kind, template, fields or special tokens); build both the same way")
             continue
         cache_dir = str(out / ("cache" if name == "train" else "cache-eval"))
-        if rank == 0:  # one rank tokenizes; the others open the finished cache
-            build_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=args.num_proc, progress=True)
-        if world > 1:
-            torch.distributed.barrier()
-        caches[name] = build_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=1, progress=False)
+        flag = "--data" if name == "train" else "--eval-data"
+        try:
+            if rank == 0:  # one rank tokenizes; the others open the finished cache
+                build_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=args.num_proc, progress=True,
+                            strict=not args.lenient)
+            if world > 1:
+                torch.distributed.barrier()
+            caches[name] = build_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=1, progress=False,
+                                       strict=not args.lenient)
+        except DataError as e:
+            usage_error(data_error_message(flag, e, args.lenient))
+        except FileNotFoundError as e:
+            usage_error(f"{flag}: {e}")
+    for name, c in caches.items():
+        reports[name] = c.report
+        if c.report:
+            log(f"{'--data' if name == 'train' else '--eval-data'}: {c.report}")
+    if rank == 0 and any(reports.values()):  # every skip, where the run's other records are
+        (out / "skipped.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=1) + "\n")
     train_docs, eval_docs = caches["train"], caches.get("eval")
     if args.eval_split:  # a fixed, seeded split of the training documents
         train_docs, eval_docs = heldout_split(train_docs, args.eval_split, seed=args.seed)
@@ -282,26 +407,41 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
                                   packing=True, shuffle=False, drop_last=False)
     fp = hashlib.sha256(json.dumps({name: [s["key"] for s in c.manifest["shards"]] for name, c in caches.items()}
                                    | {"eval_split": args.eval_split}, sort_keys=True).encode()).hexdigest()
-    return loader, eval_loader, fcfg, fp
+    overlap = _overlap(train_docs, eval_docs) if rank == 0 else 0
+    return loader, eval_loader, fcfg, template, fp, overlap
 
 
-def heldout_prompts(args, template: str, tok):
-    """(prompts, references, questions) of the first --eval-generate chat records of --eval-data,
-    rendered as the training formatter renders them (the same template and special tokens)."""
-    if not args.eval_generate or not args.eval_data:
+def heldout_prompts(args, template: str | None, tok, n: int):
+    """(prompts, references, questions) of the first ``n`` chat records of --eval-data, rendered as
+    the training formatter renders them (the same template and special tokens)."""
+    if not n or not args.eval_data:
         return [], [], []
-    if args.format != "chat":
-        raise SystemExit("--eval-generate needs chat records in --eval-data (--format chat)")
+    if _token_cache_dir(args.eval_data):
+        usage_error("--eval-generate / --sample-every answer chat records: --eval-data is a token cache; pass the "
+                    "records (the JSONL) as --eval-data")
     prompts, refs, questions = [], [], []
-    for rec, where in iter_records(args.eval_data):
-        msgs = rec.get("messages")
-        if not msgs or msgs[-1].get("role") != "assistant":
-            raise SystemExit(f"{where}: --eval-generate needs a 'messages' list ending with the assistant's answer")
+    records = iter_records(args.eval_data, SkipReport(strict=not args.lenient))
+    while True:
+        try:
+            rec, where = next(records)
+        except StopIteration:
+            break
+        except DataError as e:
+            usage_error(data_error_message("--eval-data", e, args.lenient))
+        try:
+            _, msgs = chat_turns(rec, args.messages_field)
+        except (KeyError, ValueError):
+            msgs = None
+        if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant":
+            if args.lenient:
+                continue
+            usage_error(f"{where}: --eval-generate / --sample-every need a '{args.messages_field}' list ending with "
+                        "the assistant's answer (--lenient skips such records)")
         prompts.append(render_chat(msgs[:-1], template, add_generation_prompt=True, bos_token=tok.bos_token or "",
                                    eos_token=tok.eos_token or ""))
         refs.append(msgs[-1]["content"])
         questions.append(msgs[-2]["content"] if len(msgs) > 1 else "")
-        if len(prompts) == args.eval_generate:
+        if len(prompts) == n:
             break
     return prompts, refs, questions
 
@@ -322,8 +462,9 @@ def held_out_report(model, tok, eval_loader, prompts, refs, args, opt, *, rank: 
 
 
 def print_table(before: dict, after: dict, questions, refs, *, wall_s: float, train_s: float, tokens: int,
-                steps: int, log) -> None:
-    """The before/after table of the held-out evaluation."""
+                steps: int, overlap: int, n_heldout: int | None, log) -> None:
+    """The before/after table of the held-out evaluation; its header says what the overlap check found
+    (``overlap`` of the ``n_heldout`` held-out documents have the tokens of a training document)."""
     rows = []
     if "eval_loss" in after:
         rows += [("held-out loss", f"{before.get('eval_loss', float('nan')):.4f}", f"{after['eval_loss']:.4f}"),
@@ -336,7 +477,15 @@ def print_table(before: dict, after: dict, questions, refs, *, wall_s: float, tr
         return
     n = after.get("exact_match_total")
     log("")
-    log(f"held-out evaluation{f' ({n} questions not in the training data)' if n else ''}:")
+    if overlap:
+        what = f"{n} questions; " if n else ""
+        log(f"held-out evaluation ({what}{overlap} of {n_heldout} held-out documents are also in the training "
+            "data, exact token match):")
+    elif n:
+        log(f"held-out evaluation ({n} questions not in the training data):")  # checked: no exact duplicate
+    else:
+        log("held-out evaluation" + (f" ({n_heldout} documents, none in the training data)" if n_heldout else "")
+            + ":")
     log(f"  {'':<22}{'before':>16}{'after':>16}")
     for name, b, a in rows:
         log(f"  {name:<22}{b:>16}{a:>16}")
@@ -362,11 +511,17 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
-    threads = args.threads or (1 if args.demo and device.type == "cpu" else None)
-    if threads:
+    if device.type == "cpu":
         # The demo's ops are too small to gain from a second thread, and on a busy 2-core CPU two
         # threads per process lost 6x: 0.83 s vs 5.4 s per step (medians, A/B alternated, same run).
-        torch.set_num_threads(threads)
+        # Other CPU runs: the usable cores less the loader workers, at most 8 (ftlib.train.cpu_threads).
+        try:
+            args.threads = 1 if args.demo and args.threads is None else cpu_threads(args.threads,
+                                                                                   num_workers=args.num_workers)
+        except FlagError as e:
+            usage_error(str(e))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.demo:
         prepare_demo(args, out, rank, world)
     # The same seed on every rank: every rank draws the same adapter initialisation (DDP and
@@ -374,11 +529,16 @@ def main(argv=None):
     seed_everything(args.seed)
 
     # 1. base model + tokenizer + adapters; the loss module, wrapped for several ranks.
-    model, tok = load_model(args, device, precision)
-    log(f"trainable parameters: {count_params(model)}")
+    try:
+        model, tok = load_model(args, device, precision)
+    except (FileNotFoundError, ValueError) as e:  # no such folder or repo, no tokenizer.json, a bad config
+        usage_error(f"--model {args.model}: {e}")
+    log(str(count_params(model)))  # "trainable params: N / M (x%)"
     augment_step = setup_augmentation(args, tok, model, device, rank, log)  # None without the flags
     flops = FlopsModel.from_model(model)  # before sharding: the full parameter shapes
     train_model = CausalLMLoss(model)  # batch -> (summed loss, target tokens); what DDP / FSDP2 wrap
+    if args.compile:  # in place: parameter names (checkpoints, the adapter) stay those of the model
+        train_model.compile()
     if args.engine == "ddp":
         train_model = wrap_ddp(train_model, compression=args.compression)
     elif args.engine == "fsdp":
@@ -390,17 +550,26 @@ def main(argv=None):
     log(f"{args.engine} on {world} rank(s)" + (f", HSDP shard groups of {args.shard_size}" if args.shard_size else ""))
 
     # 2. data: each rank its slice of every step.
-    loader, eval_loader, fcfg, data_fp = build_data(args, tok, out, rank, world, device)
+    loader, eval_loader, fcfg, template, data_fp, overlap = build_data(args, tok, out, rank, world, device, log)
     pad_id = loader.opts["pad_id"]
-    log(f"data: {len(loader.docs)} documents, {len(loader)} micro-batches/epoch/rank, packing {loader.pack_stats}"
+    ps = loader.pack_stats
+    if template is not None:
+        log(f"chat template: {template.source}")
+    log(f"data: {len(loader.docs)} documents, {len(loader)} micro-batches/epoch/rank; packing: {ps.n_rows} rows of "
+        f"{args.seq_len} tokens, {ps.fill_ratio:.1%} filled, {ps.n_split_docs} documents split"
         + (f"; held out: {len(eval_loader.docs)} documents" if eval_loader is not None else ""))
+    if overlap:
+        log(f"warning: {overlap} of {len(eval_loader.docs)} held-out documents are also in the training data "
+            "(exact token match): the held-out scores overstate generalisation")
 
     # 3. optimizer (token-weighted accumulation), clipper, schedule; checkpoints; resume.
     try:
         plan = plan_steps(len(loader), grad_accum=args.grad_accum, epochs=args.epochs, max_steps=args.max_steps)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        usage_error(f"{e}: more data, or a smaller --batch-size / --grad-accum")
     total = plan.total
+    if args.max_steps and args.max_steps > plan.steps_per_epoch * args.epochs:
+        log(f"--max-steps {args.max_steps} overrides --epochs {args.epochs} ({plan.steps_per_epoch} steps per epoch)")
     save_every = args.save_every if args.save_every is not None else max(1, total // 10)
     eval_every = args.eval_every if args.eval_every is not None else save_every
     groups = param_groups(model, lr=args.lr, weight_decay=args.weight_decay, lora_plus_ratio=args.lora_plus)
@@ -414,7 +583,7 @@ def main(argv=None):
     sched = LRScheduler(opt.optimizer, schedule)
     sharded = args.engine == "fsdp"
     settings = run_settings(vars(args), SETTINGS, out=out) | {
-        "precision": precision, "data_fingerprint": data_fp, "checkpoint_layout": "sharded" if sharded else "one-process"}
+        "chat_template": template.text if template else None, "precision": precision, "data_fingerprint": data_fp, "checkpoint_layout": "sharded" if sharded else "one-process"}
     try:  # weights, optimizer, schedule, clipper, loader position, RNG; settings compared with the saved run's
         resumed = resume_train_state(out / "checkpoints", resume=args.resume, settings=settings, overrides=args.override,
                                      fixed=FIXED, plan=plan, seed=args.seed, sharded=sharded, log=log,
@@ -423,14 +592,24 @@ def main(argv=None):
     except ResumeError as e:
         raise SystemExit(str(e)) from None
     step = resumed.step
+    early = {"best": None, "bad": 0, "stopped": False} | resumed.extra.get("early_stop", {})
+    if early["stopped"]:
+        log(f"the run stopped early at step {step} (held-out loss not improving); nothing left to train")
+        total = step
     # evaluation: FSDP2 runs the forward through its wrapper (it gathers the weights in its hooks)
     eval_model, eval_loss = (train_model, lambda m, batch: m(batch)) if sharded else (model, None)
-    prompts, refs, questions = heldout_prompts(args, fcfg.chat_template, tok)
+    text = template.text if template else None
+    prompts, refs, questions = heldout_prompts(args, text, tok, max(args.eval_generate, args.sample_prompts
+                                                                     if args.sample_every else 0))
+    samples = (prompts[:args.sample_prompts], refs[:args.sample_prompts])
+    prompts, refs, questions = prompts[:args.eval_generate], refs[:args.eval_generate], questions[:args.eval_generate]
     before_file = out / "eval_before.json"
     if step == 0 and (eval_loader is not None or prompts):  # the base model (a fresh adapter changes nothing)
         before = held_out_report(eval_model, tok, eval_loader, prompts, refs, args, opt, rank=rank, loss_fn=eval_loss)
         if rank == 0:
             before_file.write_text(json.dumps(before) + "\n")
+    else:
+        before = {}
     ckpt = None
     metric = "eval_loss" if eval_loader else None
     if sharded:  # every rank writes its shards
@@ -438,12 +617,22 @@ def main(argv=None):
     elif rank == 0:  # DDP: the weights and optimizer state are the same on every rank; rank 0 saves them
         ckpt = Checkpointer(out / "checkpoints", keep=args.keep, metric=metric)
     if rank == 0:
-        write_run_manifest(out, vars(args), device=device, world_size=world, data_fingerprint=data_fp, resume=resumed)
+        write_run_manifest(out, vars(args), device=device, world_size=world, data_fingerprint=data_fp, resume=resumed,
+                           extra={"chat_template": {"text": template.text, "source": template.source}
+                                  if template else None, "heldout_in_train": overlap})
     tokens_seen, train_s = resumed.extra.get("tokens_seen", 0), resumed.extra.get("train_time_s", 0.0)
     logger = MetricsLogger(out / "metrics.jsonl", total_steps=total, start_step=step, rank=rank, world_size=world,
                            device=device, flops=flops, print_every=args.log_every,
-                           peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else device_peak_flops(device, precision),
-                           tensorboard=out / "tb" if args.tensorboard else None)
+                           peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else device_peak_flops(device, precision))
+    loggers = open_loggers(args.report_to if rank == 0 else [], out=out, config=vars(args), start_step=step,
+                           run_name=out.name)
+    if step == 0 and "eval_loss" in before:  # the step-0 point of the held-out curve
+        loggers.log(logger.eval(0, {k: before[k] for k in ("eval_loss", "eval_ppl") if k in before}))
+    tokenized = set()  # checkpoint folders that hold the tokenizer files and the template
+
+    def save_tokenizer(folder: Path) -> None:
+        copy_tokenizer_files(args.model, folder, chat_template=text)
+        tokenized.add(folder)
 
     # 4. the loop: one iteration = one optimizer step over grad_accum micro-batches (per rank).
     records, metrics = [], {}
@@ -472,22 +661,50 @@ def main(argv=None):
             rec = logger.step(step, res, lr=sched.get_last_lr()[0], tokens=tokens, skipped_steps=opt.skipped_steps,
                               epoch=epoch)
             records.append(rec)
+            loggers.log(rec)
             tokens_seen += rec["tokens"]  # all ranks
             metrics = {}
             if eval_loader is not None and ((eval_every and step % eval_every == 0) or step == total):
                 metrics = evaluate(eval_model, eval_loader, autocast=opt.autocast, loss_fn=eval_loss).to_dict()
-                logger.eval(step, metrics)
-            if ckpt is not None and ((save_every and step % save_every == 0) or step == total):
+                loggers.log(logger.eval(step, metrics))
+                if args.early_stop:  # patience counted in evals; the stop is saved, so a resume does not undo it
+                    if early["best"] is None or metrics["eval_loss"] < early["best"] - args.early_stop_delta:
+                        early["best"], early["bad"] = metrics["eval_loss"], 0
+                    else:
+                        early["bad"] += 1
+                    if early["bad"] >= args.early_stop:
+                        early["stopped"] = True
+                        log(f"early stop at step {step}: held-out loss {metrics['eval_loss']:.4f}, no improvement on "
+                            f"{early['best']:.4f} for {early['bad']} evals (--early-stop {args.early_stop})")
+            if args.sample_every and rank == 0 and (step % args.sample_every == 0 or step == total):
+                gen = exact_match(model, tok, *samples, max_new_tokens=args.eval_max_new_tokens)
+                rows = [{"prompt": p, "output": o, "reference": r} for p, r, o in zip(*samples, gen.predictions)]
+                with open(out / "metrics.jsonl", "a") as f:  # beside the step records (each flushed, appended)
+                    f.write(json.dumps({"step": step, "kind": "sample", "samples": rows}) + "\n")
+                for r in rows:
+                    logger.write(f"sample @ step {step}: {r['prompt'][-60:]!r} -> {r['output']!r}")
+            if ckpt is not None and ((save_every and step % save_every == 0) or step == total or early["stopped"]):
+                # the last finished save (a background one may still run): the tokenizer and template beside it
+                done = getattr(ckpt, "last_saved", None) if rank == 0 else None
+                if done is not None and done.exists() and done not in tokenized:
+                    save_tokenizer(done)
                 ckpt.save(step, model=train_model if sharded else model, optimizer=opt, scheduler=sched,
                           clipper=clipper, loader=loader, metrics=metrics, base_model_name_or_path=args.model,
-                          extra={**run_extra(settings, loader), "tokens_seen": tokens_seen,
+                          extra={**run_extra(settings, loader), "tokens_seen": tokens_seen, "early_stop": early,
                                  "train_time_s": train_s + time.perf_counter() - t_loop})
-            if step >= total:
+            if step >= total or early["stopped"]:
                 break
+        if early["stopped"]:
+            break
     train_s += time.perf_counter() - t_loop
     logger.close()
+    loggers.close()
     if ckpt is not None:
         ckpt.close()  # waits for the last background write
+        if rank == 0:  # every kept checkpoint's adapter is served with the tokenizer and template it trained with
+            for folder in sorted((out / "checkpoints").glob("step-*")):
+                if folder not in tokenized and folder.is_dir():
+                    save_tokenizer(folder)
     if world > 1:
         torch.distributed.barrier()
 
@@ -502,15 +719,19 @@ def main(argv=None):
         if args.save_merged:
             export_merged(train_model, out / "merged", dtype=torch.bfloat16)
             if rank == 0:
-                copy_tokenizer_files(args.model, out / "merged")
+                copy_tokenizer_files(args.model, out / "merged", chat_template=text)
     elif rank == 0:
         adapter_dir = save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
+    if rank == 0:
+        copy_tokenizer_files(args.model, adapter_dir, chat_template=text)
     if rank == 0:
         best = ckpt.best() if ckpt is not None else None
         log(f"adapter saved to {adapter_dir}; checkpoints in {out / 'checkpoints'}"
             + (f" (best by eval loss: {best.name})" if best else ""))
+        title = (f"{Path(args.model).name}: LoRA r={args.lora_r}, lr {args.lr:g}, {step} steps, "
+                 f"{tokens_seen / max(train_s, 1e-9):,.0f} tokens/s")
         try:
-            log(f"metrics: {out / 'metrics.jsonl'}, plot: {plot_metrics(out / 'metrics.jsonl', out / 'metrics.png')}")
+            log(f"metrics: {out / 'metrics.jsonl'}, plot: {plot_metrics(out / 'metrics.jsonl', out / 'metrics.png', title=title)}")
         except ImportError as e:
             log(f"metrics: {out / 'metrics.jsonl'} (no plot: {e})")
         if after is not None:
@@ -520,9 +741,10 @@ def main(argv=None):
                        "train_time_s": train_s, "best_checkpoint": str(best) if best else None}
             (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             print_table(before, after, questions, refs, wall_s=time.perf_counter() - t_start, train_s=train_s,
-                        tokens=tokens_seen, steps=step, log=log)
+                        tokens=tokens_seen, steps=step, overlap=overlap,
+                        n_heldout=len(eval_loader.docs) if eval_loader is not None else None, log=log)
         if args.save_merged and not sharded:
-            save_merged(model, out / "merged", tokenizer_from=args.model, dtype=torch.bfloat16)
+            save_merged(model, out / "merged", tokenizer_from=args.model, dtype=torch.bfloat16, chat_template=text)
             log(f"merged checkpoint saved to {out / 'merged'}")
     if world > 1:
         torch.distributed.destroy_process_group()

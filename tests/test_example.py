@@ -71,7 +71,7 @@ def test_demo_writes_checkpoints_metrics_plot_manifest_and_report(demo_run):
     train = [r for r in recs if r.get("kind") != "eval"]
     evals = [r for r in recs if r.get("kind") == "eval"]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
-    assert [r["step"] for r in evals] == list(range(every, STEPS + 1, every))
+    assert [r["step"] for r in evals] == [0, *range(every, STEPS + 1, every)]  # step 0: the base model
     for key in ("loss", "lr", "grad_norm", "grad_norm_clipped", "clip_ratio", "target_tokens", "tokens",
                 "tokens_per_s", "padding_fraction", "skipped_steps", "peak_mem_gib", "tflops"):
         assert all(key in r for r in train), key

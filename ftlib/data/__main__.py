@@ -1,7 +1,12 @@
 """Command line: pre-tokenize a corpus into an Arrow token cache, or describe a cache.
 
-    python -m ftlib.data build --source data/ --tokenizer tokenizer.json --out cache/ \\
-        --kind chat --chat-template tokenizer_config.json --num-proc 8 --lenient
+    python -m ftlib.data build --source data/ --tokenizer models/llama3/ --out cache/ --num-proc 8 --lenient
+    python examples/finetune_lora.py --model models/llama3/ --data cache/ --out runs/x
+
+The record-format flags (``--kind``, default chat; ``--chat-template``, default the tokenizer's;
+the field names; ``--lenient``; ``--num-proc``) are the training scripts' (``ftlib.data.cli``), so
+a cache built here is what ``--data cache/`` of a training script reads (the same tokenizer is
+checked). ``--tokenizer`` takes the model folder (or hub repo id) or a ``tokenizer.json``.
     python -m ftlib.data info cache/
 
 ``--lenient`` skips bad records and prints every skip (the reader's too: a cut file, a refused
@@ -18,13 +23,20 @@ one whole-parsed document may take when read; larger ones are refused and report
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 
-from .cache import build_cache, open_cache
-from .formatting import TRUNCATIONS, FormatConfig
+from .cache import CacheError, build_cache, open_cache
+from .cli import (
+    FlagError,
+    FlagParser,
+    add_format_flags,
+    data_error_message,
+    format_config_from_args,
+    load_tokenizer_arg,
+)
+from .formatting import TRUNCATIONS
+from .report import DataError
 from .sources import ReadLimits
 
 
@@ -36,56 +48,31 @@ def _head_tail(s: str):
     try:
         return int(s) if s.isdigit() else float(s)
     except ValueError:
-        raise SystemExit(f"--head-tail: expected a share in [0, 1] or a token count, got {s!r}") from None
-
-
-def _read_template(path: str) -> str:
-    """Template text from a .jinja file or a tokenizer_config.json (string, or HF's list of named ones)."""
-    with open(path, encoding="utf-8") as f:
-        if not path.endswith(".json"):
-            return f.read()
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON: {e}") from None
-    t = cfg.get("chat_template") if isinstance(cfg, dict) else None
-    if isinstance(t, list):  # [{"name": ..., "template": ...}]: the "default" one is the chat template
-        t = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}.get("default")
-    if not isinstance(t, str):
-        raise ValueError(f"{path}: no 'chat_template' string (nor a list with a 'default' entry)")
-    return t
+        raise FlagError(f"--head-tail: expected a share in [0, 1] or a token count, got {s!r}") from None
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ftlib.data")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = FlagParser(prog="python -m ftlib.data")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=FlagParser)
     b = sub.add_parser("build", help="tokenize sources into a cache directory")
     b.add_argument("--source", action="append", required=True,
                    help="file, directory, glob or hf://datasets/owner/name[@rev][/path or glob]; repeatable")
-    b.add_argument("--tokenizer", required=True, help="path to tokenizer.json")
+    b.add_argument("--tokenizer", required=True,
+                   help="the model folder (or hub repo id) whose tokenizer.json and tokenizer_config.json to use, "
+                        "or a tokenizer.json file")
     b.add_argument("--out", required=True, help="cache directory")
-    b.add_argument("--kind", default="text", choices=["text", "chat", "instruction"])
-    b.add_argument("--text-field", default="text")
-    b.add_argument("--messages-field", default="messages")
-    b.add_argument("--prompt-field", default="prompt")
-    b.add_argument("--response-field", default="response")
-    b.add_argument("--system-field", default=None)
-    b.add_argument("--chat-template", default=None,
-                   help="built-in name (chatml, llama3), a .jinja file, or a tokenizer_config.json")
-    b.add_argument("--turn-end", default=None,
-                   help="text after each assistant turn that also gets loss (default: read from the template)")
-    b.add_argument("--loss-on", default="assistant", choices=["assistant", "all"])
-    b.add_argument("--bos-token", default=None)
-    b.add_argument("--eos-token", default=None)
-    b.add_argument("--add-bos", action="store_true")
+    add_format_flags(b)
+    b.add_argument("--bos-token", default=None, help="default: the tokenizer's")
+    b.add_argument("--eos-token", default=None, help="default: the tokenizer's")
+    b.add_argument("--add-bos", action="store_true", default=None)
     b.add_argument("--no-eos", action="store_true", help="do not append EOS (text kind)")
-    b.add_argument("--max-length", type=int, default=None)
+    b.add_argument("--max-length", type=int, default=None,
+                   help="longest document in tokens, cut by --truncation (a cache for finetune_lora.py --data "
+                        "needs at most its --seq-len)")
     b.add_argument("--truncation", default="prompt_left", choices=list(TRUNCATIONS))
     b.add_argument("--head-tail", default="0.5",
                    help="head_tail truncation: share of kept tokens from the head (0.5) or head tokens (an int)")
     b.add_argument("--truncation-sep", default=None, help="head_tail truncation: separator token (text or id)")
-    b.add_argument("--num-proc", type=int, default=os.cpu_count() or 1)
-    b.add_argument("--lenient", action="store_true", help="skip and report bad records instead of failing")
     b.add_argument("--full-hash", action="store_true",
                    help="recognise sources by a SHA-256 of every byte (default: size + SHA-256 of files up to "
                         "3 MiB and of ~3 MiB of sampled blocks of larger ones, which misses a same-size edit "
@@ -103,29 +90,33 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     if a.cmd == "info":
-        c = open_cache(a.cache, verify=a.verify)
+        try:
+            c = open_cache(a.cache, verify=a.verify)
+        except CacheError as e:
+            i.error(str(e))
         print(json.dumps({"n_docs": len(c), "n_tokens": c.n_tokens, "dtype": c.dtype.name,
                           "source_fingerprint": c.manifest.get("fingerprint_mode"),
                           "shards": len(c.manifest["shards"]), "n_truncated": c.n_truncated,
                           "stats": dict(c.stats), "skipped": c.report.to_dict()}, indent=1))
         return 0
 
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(a.tokenizer)
-    template = a.chat_template
-    if template and os.path.isfile(template):
-        template = _read_template(template)
-    cfg = FormatConfig(
-        kind=a.kind, text_field=a.text_field, messages_field=a.messages_field, prompt_field=a.prompt_field,
-        response_field=a.response_field, system_field=a.system_field, chat_template=template,
-        loss_on=a.loss_on, bos_token=_token(a.bos_token), eos_token=_token(a.eos_token), add_bos=a.add_bos,
-        add_eos=False if a.no_eos else None, max_length=a.max_length, truncation=a.truncation,
-        turn_end=a.turn_end, head_tail=_head_tail(a.head_tail), truncation_sep=_token(a.truncation_sep),
-    )
-    c = build_cache(a.source, tok, cfg, a.out, num_proc=a.num_proc, strict=not a.lenient,
-                    progress=not a.no_progress, full_hash=a.full_hash,
-                    limits=ReadLimits(a.max_record_bytes, a.max_file_bytes))
+    try:
+        tok = load_tokenizer_arg(a.tokenizer)
+        a.bos_token, a.eos_token, a.truncation_sep = _token(a.bos_token), _token(a.eos_token), _token(a.truncation_sep)
+        a.head_tail = _head_tail(a.head_tail)
+        cfg, template = format_config_from_args(a, tok, max_length=a.max_length)
+    except FlagError as e:
+        b.error(str(e))
+    if template is not None:
+        print(f"chat template: {template.source}")
+    try:
+        c = build_cache(a.source, tok.tokenizer, cfg, a.out, num_proc=a.num_proc, strict=not a.lenient,
+                        progress=not a.no_progress, full_hash=a.full_hash,
+                        limits=ReadLimits(a.max_record_bytes, a.max_file_bytes))
+    except DataError as e:
+        b.error(data_error_message("--source", e, a.lenient))
+    except FileNotFoundError as e:
+        b.error(f"--source: {e}")
     print(f"cache {a.out}: {len(c)} documents, {c.n_tokens} tokens ({c.dtype.name}), "
           f"{c.n_built} of {len(c.manifest['shards'])} shards tokenized, {c.n_truncated} truncated "
           f"({c.stats.get('n_truncated_tokens', 0)} tokens cut, truncation={a.truncation}; "

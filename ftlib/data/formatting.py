@@ -102,6 +102,7 @@ from .._jinja import (
 )
 from .pretruncate import encode_bounded
 from .report import SkipReport
+from .sharegpt import chat_turns
 
 __all__ = ["BUILTIN_TEMPLATES", "CHAT_ROLES", "FormatConfig", "FormattedDoc", "Formatter", "TemplateLimitError",
            "detect_turn_end", "render_chat"]
@@ -302,12 +303,16 @@ class Formatter:
             msgs += [{"role": "user", "content": rec[c.prompt_field]},
                      {"role": "assistant", "content": rec[c.response_field]}]
         else:
-            if c.messages_field not in rec:
+            try:  # the messages field, or ShareGPT's conversations (from/value turns)
+                field, msgs = chat_turns(rec, c.messages_field)
+            except KeyError:
                 report.add("missing_field", where, f"field {c.messages_field!r} not in record")
                 return None
-            msgs = rec[c.messages_field]
+            except ValueError as e:
+                report.add("bad_field", where, str(e))
+                return None
             if not isinstance(msgs, list) or not msgs:
-                report.add("bad_field", where, f"field {c.messages_field!r} must be a non-empty list")
+                report.add("bad_field", where, f"field {field!r} must be a non-empty list")
                 return None
         for j, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):

@@ -11,13 +11,29 @@ same in every script and must not drift between copies:
 - ``manifest``: ``write_run_manifest``, ``run.json`` with every resume and its overrides;
 - ``export``: ``save_merged`` (adapters merged, HF layout, tokenizer files beside it) and
   ``copy_tokenizer_files``;
-- ``seed``: ``seed_everything``.
+- ``seed``: ``seed_everything``;
+- ``cli``: the flag groups every script shares (``add_model_flags``, ``add_data_flags``, ...),
+  ``--config FILE`` (``parse_with_config``), the CPU thread default (``cpu_threads``);
+- ``loggers``: ``open_loggers``, TensorBoard and W&B behind one interface.
 
 Layer: above ``checkpoint`` and ``distributed`` (a sharded resume imports the latter lazily),
 below ``examples/``; nothing else in ftlib imports it.
 """
 
+from .cli import (
+    FlagError,
+    FlagParser,
+    add_data_flags,
+    add_eval_flags,
+    add_loop_flags,
+    add_model_flags,
+    add_output_flags,
+    cpu_threads,
+    load_config_file,
+    parse_with_config,
+)
 from .export import TOKENIZER_FILES, copy_tokenizer_files, save_merged
+from .loggers import LOGGERS, Loggers, open_loggers
 from .manifest import RUN_MANIFEST, git_commit, write_run_manifest
 from .plan import StepPlan, plan_steps
 from .resume import (
@@ -32,14 +48,27 @@ from .resume import (
 from .seed import seed_everything
 
 __all__ = [
+    "FlagError",
+    "FlagParser",
+    "LOGGERS",
+    "Loggers",
     "RUN_MANIFEST",
     "ResumeError",
     "Resumed",
     "StepPlan",
     "TOKENIZER_FILES",
+    "add_data_flags",
+    "add_eval_flags",
+    "add_loop_flags",
+    "add_model_flags",
+    "add_output_flags",
     "compare_settings",
     "copy_tokenizer_files",
+    "cpu_threads",
     "git_commit",
+    "load_config_file",
+    "open_loggers",
+    "parse_with_config",
     "plan_steps",
     "replan_loader_state",
     "resume_train_state",

@@ -11,12 +11,15 @@ model's ``save_reward_model``, the sharded ``ftlib.distributed.export_merged``).
 
 Tokenizer files: ``tokenizer.json``, ``tokenizer_config.json`` (chat template, special tokens)
 and ``special_tokens_map.json``, each copied when the source has it (a hub repo id is resolved
-through the local cache, downloading if needed). Each copy is atomic (temporary name, fsync,
+through the local cache, downloading if needed). ``chat_template=`` writes the template the run
+trained with into the copied ``tokenizer_config.json`` (created when the source has none), so the
+adapter, every checkpoint and the merged model are served with the text they learned. Each copy is atomic (temporary name, fsync,
 rename): a crash leaves the old file or the new one, never half of one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -30,9 +33,11 @@ __all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "save_merged"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[Path]:
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike, *,
+                         chat_template: str | None = None) -> list[Path]:
     """Copy the tokenizer files of model folder or hub repo id ``src`` into folder ``dst``; return the copies.
 
+    ``chat_template``: set as ``chat_template`` in the copied ``tokenizer_config.json``.
     ``FileNotFoundError`` when ``src`` has no ``tokenizer.json``: a model folder without its
     tokenizer is not usable by the tools that read it."""
     from ..models.tokenizer import resolve_model_dir
@@ -46,14 +51,22 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list
         if (root / name).is_file():
             atomic_write(dst / name, lambda tmp, s=root / name: shutil.copyfile(s, tmp))
             copied.append(dst / name)
+    if chat_template is not None:
+        cfg_file = dst / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+        cfg["chat_template"] = chat_template
+        text = json.dumps(cfg, indent=2, ensure_ascii=False) + "\n"
+        atomic_write(cfg_file, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        if cfg_file not in copied:
+            copied.append(cfg_file)
     return copied
 
 
 def save_merged(model: torch.nn.Module, path: str | os.PathLike, *, tokenizer_from: str | os.PathLike | None = None,
-                dtype: torch.dtype | None = torch.bfloat16) -> Path:
+                dtype: torch.dtype | None = torch.bfloat16, chat_template: str | None = None) -> Path:
     """Merge the adapters of ``model`` into its weights (in place: the model has no adapters after),
     save it under ``path`` in HF's layout in ``dtype`` (None: each weight's own), and copy the
-    tokenizer files of ``tokenizer_from`` beside it. Returns ``path``."""
+    tokenizer files of ``tokenizer_from`` beside it (with ``chat_template`` set). Returns ``path``."""
     from ..lora import merge_and_unload
     from ..models import save_pretrained
 
@@ -61,5 +74,5 @@ def save_merged(model: torch.nn.Module, path: str | os.PathLike, *, tokenizer_fr
     merged = merge_and_unload(model, dtype=dtype)
     save_pretrained(merged, path)
     if tokenizer_from is not None:
-        copy_tokenizer_files(tokenizer_from, path)
+        copy_tokenizer_files(tokenizer_from, path, chat_template=chat_template)
     return path

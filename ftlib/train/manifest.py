@@ -65,9 +65,10 @@ def _device_name(device: torch.device) -> str:
 
 
 def write_run_manifest(out: str | os.PathLike, args: dict[str, Any], *, device: torch.device, world_size: int,
-                       data_fingerprint: str | None, resume=None) -> dict:
+                       data_fingerprint: str | None, resume=None, extra: dict[str, Any] | None = None) -> dict:
     """Write ``out/run.json`` for a fresh run, or record a resume (``resume``: a ``Resumed`` whose
-    ``path`` is set) in the existing one; return the manifest written."""
+    ``path`` is set) in the existing one; return the manifest written. ``extra``: further top-level
+    entries (what the run resolved, e.g. the chat template's text and source), set on every write."""
     path = Path(out) / RUN_MANIFEST
     now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     resumed = resume is not None and resume.path is not None
@@ -81,6 +82,7 @@ def write_run_manifest(out: str | os.PathLike, args: dict[str, Any], *, device: 
         run = {"command": [sys.executable, *sys.argv], "args": dict(args), "versions": _versions(),
                "git_commit": git_commit(), "device": _device_name(device), "world_size": world_size,
                "seed": args.get("seed"), "data_fingerprint": data_fingerprint, "started": now, "resumes": []}
+    run.update(extra or {})
     if resumed:
         run["args"] = dict(args)
         run.setdefault("resumes", []).append({

@@ -4,7 +4,10 @@ An optimizer step is one accumulation window of ``grad_accum`` micro-batches per
 ``M`` micro-batches per epoch and rank (``len(loader)``, equal on every rank):
 
     steps_per_epoch = floor(M / grad_accum)
-    total           = min(steps_per_epoch * epochs, max_steps)     (max_steps when given)
+    total           = steps_per_epoch * epochs,   or max_steps when given
+
+``max_steps`` overrides ``epochs`` (as ``max_steps`` does in Hugging Face's Trainer): a run of
+``max_steps`` longer than the epochs give goes on into further epochs, each in a new order.
 
 The ``M mod grad_accum`` micro-batches at an epoch's end would make a short window; they are not
 trained (the next epoch draws a new order, so other units fall into the tail). Step ``s``
@@ -48,8 +51,8 @@ def plan_steps(micro_batches: int, *, grad_accum: int, epochs: int, max_steps: i
         raise ValueError(f"plan_steps: max_steps must be an int >= 1 or None, got {max_steps!r}")
     steps_per_epoch = micro_batches // grad_accum
     total = steps_per_epoch * epochs
-    if max_steps is not None:
-        total = min(total, max_steps)
+    if max_steps is not None and steps_per_epoch >= 1:
+        total = max_steps
     if total < 1:
         raise ValueError(f"not enough data for one optimizer step ({micro_batches} micro-batches per epoch and "
                          f"rank, grad_accum {grad_accum})")

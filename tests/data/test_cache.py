@@ -200,8 +200,10 @@ def test_cli_chat_template_from_tokenizer_config(tmp_path, tokenizer, write_json
             "--no-progress"]
     assert cli(args) == 0 and "1 documents" in capsys.readouterr().out
     cfg.write_text(json.dumps({"eos_token": "</s>"}))
-    with pytest.raises(ValueError, match=r"tokenizer_config.json: no 'chat_template'"):
+    with pytest.raises(SystemExit) as e:  # a one-line CLI error (exit 2), not a traceback
         cli(args)
+    assert e.value.code == 2
+    assert "tokenizer_config.json: holds no chat template; pass one with --chat-template" in capsys.readouterr().err
 
 
 def test_parquet_chunks_are_bounded_by_bytes_not_only_rows(tmp_path, tokenizer, monkeypatch):
@@ -288,7 +290,8 @@ def test_truncation_stats_are_kept_with_the_cache(tmp_path, tokenizer, write_jso
     write_jsonl(tmp_path / "a.jsonl", [{"text": "the quick brown fox jumps over the lazy dog " * 3}, {"text": "hi"}])
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     rc = cli(["build", "--source", str(tmp_path / "a.jsonl"), "--tokenizer", str(tmp_path / "tokenizer.json"),
-              "--out", str(tmp_path / "c"), "--eos-token", "</s>", "--max-length", "12", "--truncation", "head_tail",
+              "--out", str(tmp_path / "c"), "--kind", "text", "--eos-token", "</s>", "--max-length", "12",
+              "--truncation", "head_tail",
               "--head-tail", "4", "--truncation-sep", "<sep>", "--num-proc", "1", "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0 and "1 truncated" in out and "truncation=head_tail" in out
@@ -331,7 +334,8 @@ def test_same_size_edit_is_seen_with_full_hash_only(tmp_path, tokenizer, capsys)
     again = build_cache(str(p), tokenizer, TEXT, str(tmp_path / "f"), progress=False, full_hash=True)
     assert again.n_built == 1 and texts(again) == ["hello world", "omega"]
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    args = ["build", "--source", str(p), "--tokenizer", str(tmp_path / "tokenizer.json"), "--eos-token", "</s>",
+    args = ["build", "--source", str(p), "--tokenizer", str(tmp_path / "tokenizer.json"), "--kind", "text",
+            "--eos-token", "</s>",
             "--num-proc", "1", "--no-progress"]
     assert cli(args + ["--out", str(tmp_path / "s")]) == 0 and "0 of 1 shards tokenized" in capsys.readouterr().out
     assert cli(args + ["--out", str(tmp_path / "cli"), "--full-hash"]) == 0
@@ -351,7 +355,8 @@ def test_read_limits_are_part_of_the_key_and_reach_the_readers(tmp_path, tokeniz
     c = build_cache(src, tokenizer, TEXT, str(tmp_path / "c"), progress=False)  # the default bound: read again
     assert len(c) == 2 and c.n_built == 1 and not c.report
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    rc = cli(["build", "--source", src, "--tokenizer", str(tmp_path / "tokenizer.json"), "--eos-token", "</s>",
+    rc = cli(["build", "--source", src, "--tokenizer", str(tmp_path / "tokenizer.json"), "--kind", "text",
+              "--eos-token", "</s>",
               "--out", str(tmp_path / "cli"), "--num-proc", "1", "--no-progress", "--lenient",
               "--max-record-bytes", "100"])
     assert rc == 0 and "record_too_large: 1" in capsys.readouterr().out

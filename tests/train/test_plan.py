@@ -8,10 +8,12 @@ from hypothesis import strategies as st
 from ftlib.train import StepPlan, plan_steps
 
 
-def test_plan_counts_whole_windows_and_caps_at_max_steps():
+def test_plan_counts_whole_windows_and_max_steps_overrides_epochs():
     assert plan_steps(10, grad_accum=3, epochs=2) == StepPlan(steps_per_epoch=3, total=6, grad_accum=3)
     assert plan_steps(10, grad_accum=3, epochs=2, max_steps=4).total == 4
-    assert plan_steps(10, grad_accum=3, epochs=2, max_steps=100).total == 6
+    # as in HF Trainer: max_steps wins over epochs, also when it asks for more steps than they give
+    assert plan_steps(10, grad_accum=3, epochs=2, max_steps=100).total == 100
+    assert plan_steps(10, grad_accum=3, epochs=1, max_steps=7).position(7) == (2, 3)
     assert plan_steps(10, grad_accum=3, epochs=1).position(4) == (1, 3)  # epoch 1, after its first window
 
 
