@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 
-__all__ = ["TARGETS", "Case", "Result", "augment_cases", "cases", "ci_cases", "compile_case", "cuobjdump_path", "list_cases", "run_cases"]
+__all__ = ["Case", "Result", "TARGETS", "augment_cases", "cases", "ci_cases", "compile_case", "cuobjdump_path", "list_cases", "run_cases"]
 
 # target name -> (compute capability, shared memory per block in bytes, opt-in maximum)
 TARGETS = {"sm_90": (90, 232_448), "sm_80": (80, 166_912), "sm_89": (89, 101_376)}
