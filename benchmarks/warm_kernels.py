@@ -87,6 +87,11 @@ def main() -> int:
         kind, settings = GROUPS[args.group]
         (_lora if kind == "lora" else _attention)(**settings)
         return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("warm_kernels: no CUDA device; nothing to compile")
+        return 0
     os.environ.setdefault("FTLIB_LORA_AUTOTUNE", "0")
     os.environ.setdefault("FTLIB_ATTN_AUTOTUNE", "0")
     t0 = time.monotonic()
