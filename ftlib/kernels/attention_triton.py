@@ -45,12 +45,14 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y (documents / batch rows) and
 #   * BLOCK_M=64, BLOCK_N=64, 4 warps, 4 stages: short documents (packed batches), where a tall
 #     query tile would be mostly past the document end, and D = 64 on Ampere.
 #   * BLOCK_M=128, BLOCK_N=128, 8 warps, 2 stages: Hopper, D = 64: halves the loop trip count.
-#   * BLOCK_M=64, BLOCK_N=32, 4 warps, 2 stages: D = 256 (the accumulator alone is 64 KiB).
+#   * BLOCK_M=64, BLOCK_N=32, 8 warps, 2 stages: D = 256 (the accumulator alone is 64 KiB; 4 warps
+#     spill) and fp32 (exact dots on FMA units hold Q, K, V and P in registers).
 # dK/dV (a key tile owns two fp32 accumulators BLOCK_N x D and holds K, V; loops over query tiles):
 #   * BLOCK_M=32/64 (query rows streamed), BLOCK_N=128/64 (keys owned): the FA2 Triton choice,
 #     long key tiles amortise the dK/dV registers, short query tiles keep the 4 live tiles small.
 #     32 x 128 with 8 warps is D = 64's; D = 128 takes 32 x 64 with 8 warps (32 x 128 spills).
-#   * BLOCK_M=32, BLOCK_N=32, 8 warps: D = 256 and fp32, the only tiles that do not spill.
+#   * BLOCK_M=32, BLOCK_N=32, 8 warps: D = 256 and fp32 on sm_90 (the only tiles that do not spill);
+#     BLOCK_M=16 for fp32 on sm_80.
 # Configurations whose shared memory (estimated below) exceeds the device's, or whose fp32
 # accumulators exceed 128 values per thread (spills), are pruned before timing, so one list
 # serves sm_80, sm_86, sm_89 and sm_90, and every head dim up to 256 keeps at least one entry.
@@ -69,15 +71,16 @@ if _INTERPRET:
 else:
     _FWD_CONFIGS = [
         _cfg(128, 64, 8, 3), _cfg(128, 32, 4, 2), _cfg(64, 64, 4, 4),
-        _cfg(128, 128, 8, 2), _cfg(64, 32, 4, 2),
+        _cfg(128, 128, 8, 2), _cfg(64, 32, 8, 2), _cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2),
     ]
     # (dK/dV: the register words of each entry are counted in _estimate; configurations that
     # spill on sm_90 / sm_80 exceed it, see benchmarks/results/compile.csv)
     _DKDV_CONFIGS = [
         _cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 2), _cfg(32, 64, 8, 2),
-        _cfg(32, 32, 8, 2),
+        _cfg(32, 32, 8, 2), _cfg(16, 32, 8, 2),
     ]
-    _DQ_CONFIGS = [_cfg(128, 32, 8, 2), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)]
+    _DQ_CONFIGS = [_cfg(128, 32, 8, 2), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 8, 2), _cfg(64, 32, 4, 2),
+                   _cfg(32, 32, 4, 2)]
 
 
 # FTLIB_ATTN_AUTOTUNE=0 skips timing: the first configuration of each list that fits is used.
@@ -86,8 +89,9 @@ else:
 _AUTOTUNE = os.environ.get("FTLIB_ATTN_AUTOTUNE", "1") != "0"
 _MAX_ACC_PER_THREAD = 128  # fp32 accumulator values per thread before registers spill (255 max)
 # dK/dV with exact fp32 dots (FMA, no tensor cores) needs more registers per value held: the
-# compile check (ftlib.kernels.compile_check) finds spills above 48 words, none at or below it
-_MAX_DKDV_FP32_WORDS = 48
+# compile check (ftlib.kernels.compile_check) finds spills above 40 words on sm_80
+_MAX_DKDV_FP32_WORDS = 40  # (48 spills 24 B on sm_80)
+_MAX_FP32_WORDS = 64  # forward / dQ with fp32 dots: register words (accumulator, Q, K, V, P) a thread
 
 
 def _smem_budget() -> int:
@@ -102,8 +106,8 @@ def tile_configs(kind: str, meta: dict, smem_limit: int) -> list[tuple[triton.Co
     d = meta["BLOCK_D"]
     esize = 4 if meta["PRECISION"] == "ieee" else 2
     reg_limit = _MAX_ACC_PER_THREAD
-    if kind == "dkdv" and esize == 4:
-        reg_limit = _MAX_DKDV_FP32_WORDS
+    if esize == 4:
+        reg_limit = _MAX_DKDV_FP32_WORDS if kind == "dkdv" else _MAX_FP32_WORDS
     kept = []
     for c in _CONFIGS[kind]:
         smem, words = _estimate(kind, c, d, esize)
@@ -127,7 +131,11 @@ def _estimate(kind, c, d, esize) -> tuple[int, int]:
         words = (2 * bn * d * 4 + 2 * bn * d * esize + 2 * bm * d * esize) // 4 // threads
         return 2 * bn * d * esize + st * 2 * bm * d * esize + _SCRATCH, words
     # Q (and dO) resident, K and V streamed per stage; one BM x D accumulator
-    return 2 * bm * d * esize + st * 2 * bn * d * esize + _SCRATCH, bm * d // threads
+    if esize == 4:  # exact fp32 dots on FMA units: Q, K, V and P are held in registers beside it
+        words = (2 * bm * d + 2 * bn * d + bm * bn) // threads
+    else:
+        words = bm * d // threads
+    return 2 * bm * d * esize + st * 2 * bn * d * esize + _SCRATCH, words
 
 
 def _prune(kind):

@@ -55,6 +55,11 @@ MAX_RANK = 256  # the skinny kernels keep a whole [tile, R] accumulator in regis
 #     and fp32 on small shared memory.
 # Skinny passes (down: u over K; v over N; dB, dA over a token split): memory-bound streams with
 # an accumulator [tile, R] (R padded to a power of two >= 16) held in registers.
+# Known spills of defaults (benchmarks/results/compile.csv, left for now): on sm_80 the 128 x 256
+# forward spills 16 B with a bias and 56 B with DoRA (sm_90's wgmma does not), dX with DoRA and
+# dropout 8-16 B; rank 256's down pass everywhere (see _estimate); sm_89 (101 KiB) takes tiles
+# that spill up to 64 B and, for ranks > 16, the 128 x 128 x 32 GEMM tile misses its
+# shared-memory limit (the estimate does not count the rank-64 epilogue there: to be fixed).
 # Configurations whose shared memory (estimated below) exceeds the device's, or whose tiles held in
 # registers exceed 128 words per thread, are pruned before timing, so one list serves sm_80,
 # sm_86, sm_89 and sm_90 and every rank up to 256. The first that fits is the one taken without
@@ -100,6 +105,7 @@ else:
         _cfg(4, 2, BLOCK_M=64, BLOCK_K=64, BLOCK_N=32, GROUP_M=8),
     ]
     _DOWN_CONFIGS = [
+        _cfg(8, 3, BLOCK_M=64, BLOCK_K=128), _cfg(8, 3, BLOCK_M=64, BLOCK_K=64),
         _cfg(4, 3, BLOCK_M=64, BLOCK_K=128), _cfg(4, 4, BLOCK_M=128, BLOCK_K=64), _cfg(8, 3, BLOCK_M=128, BLOCK_K=128),
         _cfg(4, 4, BLOCK_M=32, BLOCK_K=128), _cfg(4, 2, BLOCK_M=32, BLOCK_K=64),
     ]
@@ -109,7 +115,7 @@ else:
     ]
     _DB_CONFIGS = [
         _cfg(4, 3, BLOCK_N=64, BLOCK_M=128), _cfg(4, 4, BLOCK_N=128, BLOCK_M=64), _cfg(8, 3, BLOCK_N=128, BLOCK_M=128),
-        _cfg(4, 2, BLOCK_N=32, BLOCK_M=64),
+        _cfg(4, 2, BLOCK_N=32, BLOCK_M=64), _cfg(8, 2, BLOCK_N=32, BLOCK_M=64),
     ]
     _DA_CONFIGS = [
         _cfg(4, 3, BLOCK_K=64, BLOCK_M=128), _cfg(4, 4, BLOCK_K=128, BLOCK_M=64), _cfg(8, 3, BLOCK_K=128, BLOCK_M=128),
@@ -120,6 +126,7 @@ else:
 # (the gpu-marked tests set it to save compile time).
 _AUTOTUNE = os.environ.get("FTLIB_LORA_AUTOTUNE", "1") != "0"
 _MAX_ACC_PER_THREAD = 128  # register words per thread the big tiles may take (255 registers in all)
+_MAX_SKINNY_WORDS = 96  # the down / dB passes' limit (their other live values are many small tiles)
 
 
 def _smem_budget() -> int:
@@ -167,7 +174,16 @@ def _estimate(kind, c, kwargs) -> tuple[int, int]:
         epilogue = (bm + width) * br * esize
         return stages * (a_stage + w_stage) + extra + epilogue, words // threads
     tile, red = (kw[name] for name in _SKINNY_BLOCKS[kind])
-    return stages * (tile * red * esize + br * red * 4), tile * br // threads
+    smem = stages * (tile * red * esize + br * red * 4)
+    if kind not in ("down", "db"):
+        return smem, tile * br // threads
+    # down / dB: the [tile, R] accumulator, the adapter tile [R, red] and, in the down pass, the
+    # Philox state of the dropout mask (2 words an element; 4 when h is written too)
+    k = (4 if kwargs.get("WRITE_H") else 2) if kwargs.get("DROPOUT") else 0
+    words = (tile * br + br * red * esize // 4 + tile * red * k) // threads
+    # rank 256 in the down pass spills in every tile compiled (the [64, 256] fp32 accumulator and
+    # A's [256, 64] tile): 64 x 64 x 8 warps spills least (112 B on sm_90), which this limit picks
+    return smem, words * _MAX_ACC_PER_THREAD // _MAX_SKINNY_WORDS
 
 
 def tile_configs(kind: str, meta: dict, smem_limit: int) -> list[tuple[triton.Config, int]]:
