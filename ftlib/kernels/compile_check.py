@@ -221,7 +221,7 @@ def _lora_cases(target, full):
             if not _lora_relevant(kind, s) or (dtype != "bf16" and kind not in ("fwd", "dx")):
                 continue
             meta, ptr = _lora_meta(kind, dtype, s)
-            configs = lt.tile_configs(kind, meta, limit)
+            configs = lt.tile_configs(kind, meta, limit, TARGETS[target][0])
             fit = {id(c) for c, _ in configs}
             allc = [(c, None) for c in lt._CONFIGS[kind] if id(c) not in fit] if full else []
             for i, (c, est) in enumerate(list(configs) if full else configs[:1]):

@@ -55,9 +55,8 @@ MAX_RANK = 256  # the skinny kernels keep a whole [tile, R] accumulator in regis
 #     and fp32 on small shared memory.
 # Skinny passes (down: u over K; v over N; dB, dA over a token split): memory-bound streams with
 # an accumulator [tile, R] (R padded to a power of two >= 16) held in registers.
-# Known spills of defaults (benchmarks/results/compile.csv, left for now): on sm_80 the 128 x 256
-# forward spills 16 B with a bias and 56 B with DoRA (sm_90's wgmma does not), dX with DoRA and
-# dropout 8-16 B; rank 256's down pass everywhere (see _estimate); sm_89 (101 KiB) takes tiles
+# Known spills of defaults (benchmarks/results/compile.csv, left for now): rank 256's down pass
+# everywhere (see _estimate); sm_89 (101 KiB) takes tiles
 # that spill up to 64 B and, for ranks > 16, the 128 x 128 x 32 GEMM tile misses its
 # shared-memory limit (the estimate does not count the rank-64 epilogue there: to be fixed).
 # Configurations whose shared memory (estimated below) exceeds the device's, or whose tiles held in
@@ -186,11 +185,27 @@ def _estimate(kind, c, kwargs) -> tuple[int, int]:
     return smem, words * _MAX_ACC_PER_THREAD // _MAX_SKINNY_WORDS
 
 
-def tile_configs(kind: str, meta: dict, smem_limit: int) -> list[tuple[triton.Config, int]]:
+def _word_limit(kind, meta, arch) -> int:
+    # Before Hopper (mma.sync: accumulator and operand fragments both in registers) the GEMMs have
+    # fewer registers to spare: the forward's bias or DoRA epilogue and dX's second accumulator with
+    # DoRA and dropout spill the 128-word tiles by 8-56 B on sm_80 (compile.csv): smaller tiles there.
+    if arch >= 90 or kind not in ("fwd", "dx"):
+        return _MAX_ACC_PER_THREAD
+    if kind == "fwd":
+        extra = meta["HAS_BIAS"] or (meta["DORA"] and not meta["DROP_DORA"])
+    else:
+        extra = meta["DORA"] and meta["DROPOUT"]
+    if not extra:
+        return _MAX_ACC_PER_THREAD
+    return _MAX_ACC_PER_THREAD * 5 // 8 if meta["NF4"] else _MAX_ACC_PER_THREAD - 8
+
+
+def tile_configs(kind: str, meta: dict, smem_limit: int, arch: int = 90) -> list[tuple[triton.Config, int]]:
     """The configurations pass ``kind`` may run with constexprs ``meta`` on a device with ``smem_limit`` bytes
     of shared memory per block, in preference order, each with its shared-memory estimate in bytes.
 
-    The first is the one taken without autotuning (``FTLIB_LORA_AUTOTUNE=0``); the compile check
+    ``arch`` is the compute capability as 10 * major + minor (sm_80: 80). The first is the one taken
+    without autotuning (``FTLIB_LORA_AUTOTUNE=0``); the compile check
     (``ftlib.kernels.compile_check``) compiles each for real targets and holds the estimate to be
     no smaller than the compiled figure.
     """
@@ -198,7 +213,7 @@ def tile_configs(kind: str, meta: dict, smem_limit: int) -> list[tuple[triton.Co
     kept = []
     for c in configs:
         smem, acc = _estimate(kind, c, meta)
-        if smem <= smem_limit and acc <= _MAX_ACC_PER_THREAD:
+        if smem <= smem_limit and acc <= _word_limit(kind, meta, arch):
             kept.append((c, smem))
     if kind in ("fwd", "dx") and meta["NF4"] and meta["NF4_K_ALIGNED"]:
         # prefer tiles whose K range is whole NF4 blocks or part of one (packed code loads)
@@ -213,7 +228,8 @@ def tile_configs(kind: str, meta: dict, smem_limit: int) -> list[tuple[triton.Co
 
 def _prune(kind):
     def prune(configs, named_args, **kwargs):
-        kept = [c for c, _ in tile_configs(kind, kwargs, _smem_budget())]
+        major, minor = torch.cuda.get_device_capability()
+        kept = [c for c, _ in tile_configs(kind, kwargs, _smem_budget(), 10 * major + minor)]
         return kept if _AUTOTUNE else kept[:1]
 
     return prune
