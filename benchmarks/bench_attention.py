@@ -202,7 +202,7 @@ def main(argv=None) -> int:
             for name, (inputs, fwd) in provs.items():
                 try:
                     ms = _time(inputs, fwd, mode)
-                except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # report it, keep going
+                except Exception as e:  # noqa: BLE001 - any provider failure (OOM, a compile error) is reported; the rest run
                     print(f"  {name} {layout} T={t} D={d} {mode}: {type(e).__name__}: {str(e)[:120]}")
                     torch.cuda.empty_cache()
                     continue

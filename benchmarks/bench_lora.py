@@ -18,7 +18,7 @@ the steadier number on a shared machine); ratios are to lora's median / minimum.
 
     python benchmarks/bench_lora.py --csv benchmarks/results/lora.csv
 
-GPU part (``--kernels``): the fused LoRA matmul (ftlib.kernels.lora_matmul) against the unfused
+GPU part (``--kernels``): the fused LoRA matmul (ftlib.kernels.lora_matmul, dispatch in ftlib/kernels/lora.py) against the unfused
 PyTorch composition and PEFT, on Llama-3-8B projection shapes (in x out = 4096 x 4096, 4096 x
 14336, 14336 x 4096, 4096 x 1024), r in {16, 64}, 8192 tokens, a bf16 and an NF4 base (double
 quantization), LoRA and DoRA, dropout 0.05 (--dropout), all under bf16 autocast with fp32 adapters
@@ -34,6 +34,17 @@ matmul). Cases run in priority order (4096 x 4096, r = 16 first); --budget-s sto
 ones and lists the skipped. Rows go to --out (benchmarks/results/lora_gpu.csv).
 
     python benchmarks/bench_lora.py --kernels --out benchmarks/results/lora_gpu.csv --budget-s 80
+
+Host part (``--host-overhead``, no GPU needed): the Python cost of one fused LoRA call (forward +
+backward through autograd: argument checks, the launch plan, allocations, grids, splits) with
+the six Triton kernels replaced by stubs that only evaluate their grid, on small zero-filled CPU
+tensors (1024 x 1024, 512 tokens unless given: the few torch ops the launcher runs itself, the
+partial-sum reductions, then cost about what their dispatch costs), so nearly nothing but host
+work is timed. The launcher accepts CPU tensors when TRITON_INTERPRET=1, which this part sets for
+its own process (the K / N / token splits then assume 2 SMs, as in the tests). The median over
+--iters x 50 calls per case, in microseconds.
+
+    python benchmarks/bench_lora.py --host-overhead --iters 20
 """
 
 from __future__ import annotations
@@ -298,7 +309,7 @@ def gpu_kernels(args) -> int:
             for name, (module, backend) in layers.items():
                 try:
                     res[name] = _gpu_time(module, backend, x, mode)
-                except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # report it, keep going
+                except Exception as e:  # noqa: BLE001 - any provider failure (OOM, a compile error) is reported, the rest run
                     print(f"  {name} {n_in}x{n_out} r={r} {base}/{adapter} {mode}: {type(e).__name__}: {str(e)[:120]}")
                     torch.cuda.empty_cache()
             ref = res.get("unfused", (None,))[0]
@@ -329,6 +340,63 @@ def gpu_kernels(args) -> int:
     return 0
 
 
+_STUBBED = ("_fwd_kernel", "_down_kernel", "_bwd_v_kernel", "_bwd_db_kernel", "_bwd_dx_kernel", "_bwd_da_kernel")
+
+
+class _StubKernel:
+    """Stands in for an autotuned kernel: ``kernel[grid](*args, **meta)`` evaluates the grid only."""
+
+    _META = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            return grid(self._META) if callable(grid) else grid
+        return launch
+
+
+def host_overhead(args) -> int:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the launcher module is imported: CPU tensors allowed
+    if "ftlib.kernels.lora_triton" in sys.modules:
+        raise SystemExit("bench_lora --host-overhead: the launcher was imported before TRITON_INTERPRET was set")
+    from ftlib.kernels import lora_triton as lt
+    from ftlib.lora import NF4Linear
+
+    for name in _STUBBED:
+        setattr(lt, name, _StubKernel())
+    torch.set_num_threads(1)
+    m, k, n, r = args.tokens, args.n_in, args.n_out, args.r
+    cases = [("lora", {}), ("lora+dropout", {"dropout_p": 0.05}), ("nf4", {"nf4": True}),
+             ("lora m=16", {"m": 16})]
+    print(f"host overhead per fused LoRA call (forward + backward, kernels stubbed), {k}x{n}, r={r}, "
+          f"tokens={m}, bf16, torch {torch.__version__}")
+    for name, kw in cases:
+        mm = kw.pop("m", m)
+        w = torch.zeros(n, k, dtype=torch.bfloat16)
+        if kw.pop("nf4", False):
+            lin = nn.Linear(k, n, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+            w = NF4Linear.from_linear(lin, double_quant=True)
+        a = torch.zeros(r, k, requires_grad=True)
+        b = torch.zeros(n, r, requires_grad=True)
+        x = torch.zeros(mm, k, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.zeros(mm, n, dtype=torch.bfloat16)
+
+        def call(x=x, w=w, a=a, b=b, g=g, kw=kw):
+            y = lt.lora_matmul_triton(x, w, a, b, 2.0, seed=1, **kw)
+            y.backward(g)
+            x.grad = a.grad = b.grad = None  # no accumulation into last call's gradients
+
+        for _ in range(20):
+            call()
+        per_call = []
+        for _ in range(args.iters):
+            t = time.perf_counter()
+            for _ in range(50):
+                call()
+            per_call.append((time.perf_counter() - t) / 50 * 1e6)
+        print(f"  {name:14s} median {statistics.median(per_call):7.1f} us   min {min(per_call):7.1f} us", flush=True)
+    return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-in", type=int, default=4096)
@@ -348,7 +416,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="--kernels: the 4096 x 4096 shape only")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="--kernels: start no new case after this many seconds (0: no limit)")
+    ap.add_argument("--host-overhead", action="store_true", help="host cost per fused call, kernels stubbed")
     args = ap.parse_args()
+    if args.host_overhead:
+        args.tokens = args.tokens or 512
+        if "--n-in" not in sys.argv:
+            args.n_in = args.n_out = 1024
+        sys.exit(host_overhead(args))
     if args.kernels:
         args.tokens = args.tokens or 8192
         sys.exit(gpu_kernels(args))

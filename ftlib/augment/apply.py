@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.augment_dispatch import augment_tokens
+from ..kernels.augment import augment_tokens
 from ..kernels.augment_ref import MAX_TAG, AugmentParams, probability_threshold
 from .tables import PosLexicon, SynonymTable
 

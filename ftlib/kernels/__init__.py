@@ -1,7 +1,14 @@
 """Kernels for the hot spots, each with a pure-PyTorch reference beside it.
 
+Each family has the same four files: ``X_ref.py`` the PyTorch reference (the math),
+``_X_kernels.py`` the ``@triton.jit`` code, ``X_triton.py`` launchers, autotuning and autograd,
+and ``X.py`` the dispatch between backends (attention: ``attention_*``, LoRA: ``lora_*``).
+``nf4_ref.py`` and ``dora_ref.py`` hold the NF4 storage math and DoRA's row norm the LoRA
+kernels use (``ftlib.lora`` builds its layers on them: nothing here imports ``ftlib.lora``).
+``compile_check.py`` compiles every kernel for sm_90 / sm_80 / sm_89 without a GPU.
+
 ``attention(q, k, v, *, causal, cu_seqlens, max_seqlen, softmax_scale)`` is the
-one attention entry point the model calls; see ``dispatch.py`` for how a
+one attention entry point the model calls; see ``attention.py`` for how a
 backend is chosen (``FTLIB_ATTN_BACKEND=auto|flash|triton|sdpa|torch``). The fused
 Triton kernel lives in ``ftlib.kernels.attention_triton`` (it imports Triton, so
 ``import ftlib`` does not); ``attention_sdpa`` (PyTorch's fused SDPA kernels, per
@@ -9,21 +16,21 @@ document for packed batches) is the CPU path; ``attention_ref`` the float64 orac
 
 ``lora_matmul(x, weight, lora_A, lora_B, scaling, ...)`` is a LoRA / DoRA linear layer (dense
 or NF4 base, dropout) in one op, ``lora_matmul_ref`` its reference; the backend follows
-``FTLIB_LORA_BACKEND=auto|triton|torch`` (``lora_matmul.py``), the kernels are in
+``FTLIB_LORA_BACKEND=auto|triton|torch`` (``lora.py``), the kernels are in
 ``ftlib.kernels.lora_triton``.
 
 ``augment_tokens(input_ids, labels, attention_mask, tags, offsets, candidates, params)`` is the
 on-device synonym swap / masking of ``ftlib.augment``, ``augment_tokens_ref`` its reference; the
-backend follows ``FTLIB_AUGMENT_BACKEND=auto|triton|torch`` (``augment_dispatch.py``), the kernel
+backend follows ``FTLIB_AUGMENT_BACKEND=auto|triton|torch`` (``augment.py``), the kernel
 is launched by ``ftlib.kernels.augment_triton``.
 """
 
+from .attention import attention, attention_backend
 from .attention_ref import attention_ref
 from .attention_sdpa import attention_sdpa
-from .augment_dispatch import augment_backend, augment_tokens
+from .augment import augment_backend, augment_tokens
 from .augment_ref import augment_tokens_ref
-from .dispatch import attention, attention_backend
-from .lora_matmul import lora_backend, lora_matmul
+from .lora import lora_backend, lora_matmul
 from .lora_ref import lora_matmul_ref
 
 __all__ = ["attention", "attention_backend", "attention_ref", "attention_sdpa", "augment_backend", "augment_tokens",

@@ -5,16 +5,20 @@ The launchers, autotune configurations, autograd wiring and the public function 
 Notation: x [M, K] (tokens x in), W [N, K], A [R, K], B [N, R], s the scaling, c = m / n the
 DoRA row scale, D the dropout mask, h = x * D, u = h A^T [M, R], g = dL/dy [M, N].
 
+``M_BUCKET`` (every kernel but the mask's) is not read: it is M rounded up to a power of two, an
+argument only so that the autotuner's key can hold it (one tuning per bucket of token counts).
+
 Kernels (one program per output tile; every output element is written by one program, partial
 sums over token splits are reduced in a fixed order: the op is deterministic, no atomics):
 
 - ``_down_kernel``     u = (x * D) A^T, fp32 [M, R]: a skinny first pass over x (one read of x,
-                       the mask generated once). With DoRA and dropout it also writes h, which
+                       the mask generated once); with few tokens split along K (partials summed). With DoRA and dropout it also writes h, which
                        the forward GEMM reads and which is freed right after the forward.
 - ``_fwd_kernel``      y = x W^T (+ h W^T for DoRA with dropout) accumulated in fp32 over K, and
                        the epilogue  + s u B^T,  * c (DoRA),  + b;  optionally writes
                        z = h W^T + s u B^T (DoRA: dL/dc = sum_tokens g * z needs it).
-- ``_bwd_v_kernel``    v = (g * c) B, fp32 [M, R] (skinny pass over g; c folded into B's rows).
+- ``_bwd_v_kernel``    v = (g * c) B, fp32 [M, R] (skinny pass over g; c folded into B's rows; split
+                       along N with few tokens).
 - ``_bwd_db_kernel``   dB = s c * (g^T u) and dc = colsum(g * z), per column tile, summing over a
                        split of the tokens (partials [S, N, R], reduced afterwards).
 - ``_bwd_dx_kernel``   dX = (g * c) W accumulated over N, epilogue  + D * (s v A); with DoRA and
@@ -25,7 +29,8 @@ sums over token splits are reduced in a fixed order: the op is deterministic, no
 
 NF4 base: ``_w_tile`` loads a [rows, BLOCK_K] tile of W. For an NF4 W it loads the packed codes
 (two 4-bit codes a byte, first in the high nibble, row-major over the flattened [N, K] weight,
-``ftlib.lora.nf4``'s layout), looks each code up in the 16-value NF4 table and multiplies by the
+``nf4_ref``'s layout), looks each code up in the 16-value NF4 table (constants in registers: a
+tree of 15 selects, no memory gather) and multiplies by the
 block's absmax (blocks of ``blocksize`` consecutive flattened elements); with double
 quantization the absmax itself is ``DYN[q] * absmax2[block // 256] + offset``. All in fp32 in
 registers, then rounded to the compute dtype for the tensor cores: W never exists in 16 bits.
@@ -111,29 +116,68 @@ def _keep_scale(rows, k0, key0, key1, ctr2, ctr3, threshold, drop_scale,
     return tl.where(u16 >= threshold.to(tl.uint32), drop_scale, 0.0)
 
 
+# The 16 NF4 values (``nf4_ref.NF4_CODE``, bitsandbytes' table) as compile-time constants: the
+# lookup is a tree of selects in registers, not a gather from memory (a gathered fp32 tile per
+# pipeline stage would cost 4 bytes of shared memory per weight element). Globals a kernel reads
+# must be `tl.constexpr(...)` instances (Triton 3.6 and 3.9 alike; a `: tl.constexpr` annotation is not enough).
+_NF4_0 = tl.constexpr(-1.0)
+_NF4_1 = tl.constexpr(-0.6961928009986877)
+_NF4_2 = tl.constexpr(-0.5250730514526367)
+_NF4_3 = tl.constexpr(-0.39491748809814453)
+_NF4_4 = tl.constexpr(-0.28444138169288635)
+_NF4_5 = tl.constexpr(-0.18477343022823334)
+_NF4_6 = tl.constexpr(-0.09105003625154495)
+_NF4_7 = tl.constexpr(0.0)
+_NF4_8 = tl.constexpr(0.07958029955625534)
+_NF4_9 = tl.constexpr(0.16093020141124725)
+_NF4_10 = tl.constexpr(0.24611230194568634)
+_NF4_11 = tl.constexpr(0.33791524171829224)
+_NF4_12 = tl.constexpr(0.44070982933044434)
+_NF4_13 = tl.constexpr(0.5626170039176941)
+_NF4_14 = tl.constexpr(0.7229568362236023)
+_NF4_15 = tl.constexpr(1.0)
+
+
+@triton.jit
+def _nf4_value(code):
+    # fp32 NF4[code] for int32 codes in [0, 16): 15 selects over the code's bits (a binary tree)
+    b0 = (code & 1) != 0
+    b1 = (code & 2) != 0
+    b2 = (code & 4) != 0
+    lo = tl.where(b2, tl.where(b1, tl.where(b0, _NF4_7, _NF4_6), tl.where(b0, _NF4_5, _NF4_4)),
+                  tl.where(b1, tl.where(b0, _NF4_3, _NF4_2), tl.where(b0, _NF4_1, _NF4_0)))
+    hi = tl.where(b2, tl.where(b1, tl.where(b0, _NF4_15, _NF4_14), tl.where(b0, _NF4_13, _NF4_12)),
+                  tl.where(b1, tl.where(b0, _NF4_11, _NF4_10), tl.where(b0, _NF4_9, _NF4_8)))
+    return tl.where(code >= 8, hi, lo)
+
+
 @triton.jit
 def _absmax(ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, blk, mask, DOUBLE_QUANT: tl.constexpr):
-    # fp32 absmax of NF4 blocks `blk` (any shape); double quantization: DYN[q] * absmax2 + offset
+    # fp32 absmax of NF4 blocks `blk` (any shape); double quantization: DYN[q] * absmax2 + offset.
+    # One return after if/else: Triton builds every return of a helper and requires one type.
     if DOUBLE_QUANT:
         q = tl.load(ABSMAX + blk, mask=mask, other=0).to(tl.int32)
         a2 = tl.load(ABSMAX2 + blk // 256, mask=mask, other=0.0)
-        code = tl.load(ABSMAX_CODE + q)
-        return code * a2 + tl.load(DQ_OFFSET)
-    return tl.load(ABSMAX + blk, mask=mask, other=0.0)
+        a = tl.load(ABSMAX_CODE + q) * a2 + tl.load(DQ_OFFSET)
+    else:
+        a = tl.load(ABSMAX + blk, mask=mask, other=0.0)
+    return a
 
 
 @triton.jit
-def _w_tile(W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, NF4_TABLE, n_idx, k0, K, stride_wn,
+def _w_tile(W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, n_idx, k0, K, stride_wn,
             NF4: tl.constexpr, DOUBLE_QUANT: tl.constexpr, NF4_BLOCK: tl.constexpr,
             NF4_K_ALIGNED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
     # (BLOCK_ROWS, BLOCK_K) tile W[n_idx, k0 : k0 + BLOCK_K] in DTYPE; n_idx are valid rows, columns
     # >= K read as 0. A dense W is loaded; an NF4 W is dequantized in registers (fp32, then DTYPE).
+    # The branches are constexpr if/elif/else with one return: only the taken one is built (a
+    # branch after an early return would be built too, e.g. PER_ROW = 0 when the tile is narrower
+    # than a block).
     ks = k0 + tl.arange(0, BLOCK_K)
     n64 = n_idx.to(tl.int64)
     if not NF4:
-        w = tl.load(W + n64[:, None] * stride_wn + ks[None, :], mask=ks[None, :] < K, other=0.0)
-        return w.to(DTYPE)
-    if NF4_K_ALIGNED and (NF4_BLOCK % BLOCK_K == 0 or BLOCK_K % NF4_BLOCK == 0):
+        w = tl.load(W + n64[:, None] * stride_wn + ks[None, :], mask=ks[None, :] < K, other=0.0).to(DTYPE)
+    elif NF4_K_ALIGNED and (NF4_BLOCK % BLOCK_K == 0 or BLOCK_K % NF4_BLOCK == 0):
         # K % blocksize == 0: each row's segment is whole bytes and whole blocks (or part of one block);
         # the codes load as BLOCK_K / 2 bytes a row, unpacked in registers
         start = n64 * K + k0  # (rows,) flat index of each row's first element, a multiple of min(tile, block)
@@ -141,24 +185,28 @@ def _w_tile(W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, NF4_TABLE, n_idx,
         byte = tl.load(CODES + start[:, None] // 2 + tl.arange(0, BLOCK_K // 2)[None, :],
                        mask=(pair < K)[None, :], other=0x77).to(tl.int32)  # 0x77: NF4 zeros past K
         code = tl.interleave(byte >> 4, byte & 0xF)  # (rows, BLOCK_K), first element in the high nibble
-        vals = tl.load(NF4_TABLE + code)
+        vals = _nf4_value(code)
         if NF4_BLOCK % BLOCK_K == 0:  # one block per row segment: one absmax a row
             scale = _absmax(ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, start // NF4_BLOCK, start >= 0, DOUBLE_QUANT)
-            return (vals * scale[:, None]).to(DTYPE)
-        # BLOCK_K / blocksize blocks per row segment (the wide dX tiles)
-        PER_ROW: tl.constexpr = BLOCK_K // NF4_BLOCK
-        blk = start[:, None] // NF4_BLOCK + tl.arange(0, PER_ROW)[None, :]  # (rows, PER_ROW)
-        bmask = (k0 + NF4_BLOCK * tl.arange(0, PER_ROW) < K)[None, :]
-        scale = _absmax(ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, blk, bmask, DOUBLE_QUANT)
-        vals = tl.reshape(vals, [BLOCK_ROWS, PER_ROW, NF4_BLOCK]) * scale[:, :, None]
-        return tl.reshape(vals, [BLOCK_ROWS, BLOCK_K]).to(DTYPE)
-    kmask = (ks < K)[None, :]
-    flat = n64[:, None] * K + ks[None, :]  # (rows, BLOCK_K) int64 index into the flattened weight
-    byte = tl.load(CODES + flat // 2, mask=kmask, other=0).to(tl.int32)
-    code = (byte >> ((1 - flat % 2) * 4).to(tl.int32)) & 0xF
-    vals = tl.load(NF4_TABLE + code)
-    scale = _absmax(ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, flat // NF4_BLOCK, kmask, DOUBLE_QUANT)
-    return tl.where(kmask, vals * scale, 0.0).to(DTYPE)
+            w = (vals * scale[:, None]).to(DTYPE)
+        else:  # BLOCK_K / blocksize blocks per row segment (the wide dX tiles)
+            PER_ROW: tl.constexpr = BLOCK_K // NF4_BLOCK
+            blk = start[:, None] // NF4_BLOCK + tl.arange(0, PER_ROW)[None, :]  # (rows, PER_ROW)
+            bmask = (k0 + NF4_BLOCK * tl.arange(0, PER_ROW) < K)[None, :]
+            scale = _absmax(ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, blk, bmask, DOUBLE_QUANT)
+            vals = tl.reshape(vals, [BLOCK_ROWS, PER_ROW, NF4_BLOCK]) * scale[:, :, None]
+            w = tl.reshape(vals, [BLOCK_ROWS, BLOCK_K]).to(DTYPE)
+    else:
+        # K not a multiple of the blocksize (rare: hidden sizes are multiples of 64): blocks and
+        # bytes straddle rows, so codes and absmax are gathered per element. The launcher's
+        # shared-memory estimate counts these gathers (the pipeliner stages them per K step).
+        kmask = (ks < K)[None, :]
+        flat = n64[:, None] * K + ks[None, :]  # (rows, BLOCK_K) int64 index into the flattened weight
+        byte = tl.load(CODES + flat // 2, mask=kmask, other=0).to(tl.int32)
+        code = (byte >> ((1 - flat % 2) * 4).to(tl.int32)) & 0xF
+        scale = _absmax(ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, flat // NF4_BLOCK, kmask, DOUBLE_QUANT)
+        w = tl.where(kmask, _nf4_value(code) * scale, 0.0).to(DTYPE)
+    return w
 
 
 @triton.jit
@@ -177,41 +225,46 @@ def _grouped_pid(pid, num_m, num_n, GROUP_M: tl.constexpr):
 # Forward
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["M", "key0", "key1", "ctr2", "ctr3", "threshold"])
+@triton.jit(do_not_specialize=["M", "M_BUCKET", "k_per_split", "key0", "key1", "ctr2", "ctr3", "threshold"])
 def _down_kernel(
-    X, A, U, H, M, K, R, stride_xm, stride_am, stride_um, stride_hm,
+    X, A, U, H, M, K, R, M_BUCKET, k_per_split, stride_xm, stride_am, stride_us, stride_um, stride_hm,
     key0, key1, ctr2, ctr3, threshold, drop_scale,
     DROPOUT: tl.constexpr, WRITE_H: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
+    # partial u over the K range of split program_id(1) (k_per_split a multiple of BLOCK_K; one
+    # split when M fills the GPU, several for few tokens, summed afterwards in a fixed order)
     pid = tl.program_id(0)
+    split = tl.program_id(1)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_ld = rows % M  # rows past M load a valid row; their results are not stored
     r_idx = tl.arange(0, BLOCK_R)
     dtype = X.dtype.element_ty
     x_ptr = X + rows_ld.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)  # (BM, BK)
+        x = tl.load(x_ptr + ks[None, :], mask=ks[None, :] < k_hi, other=0.0)  # (BM, BK)
         if DROPOUT:
             x = (x.to(tl.float32) * _keep_scale(rows_ld, k0, key0, key1, ctr2, ctr3, threshold, drop_scale,
                                                 BLOCK_M, BLOCK_K)).to(dtype)
             if WRITE_H:
                 tl.store(H + rows.to(tl.int64)[:, None] * stride_hm + ks[None, :], x,
-                         mask=(rows[:, None] < M) & (ks[None, :] < K))
-        a = tl.load(A + r_idx[:, None] * stride_am + ks[None, :], mask=(r_idx[:, None] < R) & (ks[None, :] < K),
+                         mask=(rows[:, None] < M) & (ks[None, :] < k_hi))
+        a = tl.load(A + r_idx[:, None] * stride_am + ks[None, :], mask=(r_idx[:, None] < R) & (ks[None, :] < k_hi),
                     other=0.0).to(dtype)  # (BR, BK)
         acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
-    tl.store(U + rows.to(tl.int64)[:, None] * stride_um + r_idx[None, :], acc,
+    tl.store(U + split * stride_us + rows.to(tl.int64)[:, None] * stride_um + r_idx[None, :], acc,
              mask=(rows[:, None] < M) & (r_idx[None, :] < R))
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _fwd_kernel(
-    X, H, W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, NF4_TABLE,
+    X, H, W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET,
     U, B, BIAS, MS, Y, Z,
-    M, N, K, R, scaling,
+    M, N, K, R, M_BUCKET, scaling,
     stride_xm, stride_hm, stride_wn, stride_um, stride_bn, stride_ym, stride_zm,
     HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DORA: tl.constexpr, DROP_DORA: tl.constexpr,
     WRITE_Z: tl.constexpr, NF4: tl.constexpr, DOUBLE_QUANT: tl.constexpr, NF4_BLOCK: tl.constexpr,
@@ -228,19 +281,19 @@ def _fwd_kernel(
     x_ptr = X + rows_ld.to(tl.int64)[:, None] * stride_xm
     h_ptr = H + rows_ld.to(tl.int64)[:, None] * stride_hm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_h = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_h = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # DoRA with dropout only (else never used)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)  # (BM, BK)
-        w = _w_tile(W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, NF4_TABLE, cols_ld, k0, K, stride_wn,
+        w = _w_tile(W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, cols_ld, k0, K, stride_wn,
                     NF4, DOUBLE_QUANT, NF4_BLOCK, NF4_K_ALIGNED, BLOCK_N, BLOCK_K, dtype)  # (BN, BK)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if DROP_DORA:
             hx = tl.load(h_ptr + ks[None, :], mask=ks[None, :] < K, other=0.0)
             acc_h = tl.dot(hx, tl.trans(w), acc_h, input_precision=PRECISION)
 
-    # epilogue: lora = s u B^T over rank chunks (u fp32 [M, R], B [N, R])
-    lora = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # epilogue: + s u B^T over rank chunks (u fp32 [M, R], B [N, R]), accumulated into the main
+    # accumulator (and, for DoRA with dropout, into acc_h too): no third full tile in registers.
     if HAS_LORA:
         r_idx = tl.arange(0, BLOCK_R)
         for r0 in range(0, R, BLOCK_R):
@@ -249,18 +302,23 @@ def _fwd_kernel(
                         other=0.0)
             b = tl.load(B + cols_ld.to(tl.int64)[:, None] * stride_bn + rr[None, :], mask=rr[None, :] < R,
                         other=0.0)
-            lora = tl.dot((u * scaling).to(dtype), tl.trans(b.to(dtype)), lora, input_precision=PRECISION)
+            us = (u * scaling).to(dtype)
+            bt = tl.trans(b.to(dtype))
+            acc = tl.dot(us, bt, acc, input_precision=PRECISION)
+            if DROP_DORA:
+                acc_h = tl.dot(us, bt, acc_h, input_precision=PRECISION)
+    # now acc = x W^T + L and acc_h = h W^T + L, L = s u B^T
     if DORA:
         c = tl.load(MS + cols_ld)[None, :]
         if DROP_DORA:
-            z = acc_h + lora
-            y = (acc - acc_h) + c * z
+            z = acc_h  # h W^T + L
+            y = acc + (c - 1.0) * acc_h  # x W^T + (c - 1) h W^T + c L
         else:
-            z = acc + lora
-            y = c * z
+            z = acc
+            y = c * acc
     else:
-        z = acc + lora
-        y = z
+        z = acc
+        y = acc
     if HAS_BIAS:
         y += tl.load(BIAS + cols_ld).to(tl.float32)[None, :]
     out_mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -274,35 +332,39 @@ def _fwd_kernel(
 # Backward
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "M_BUCKET", "n_per_split"])
 def _bwd_v_kernel(
-    G, B, MS, V, M, N, R, stride_gm, stride_bn, stride_vm,
+    G, B, MS, V, M, N, R, M_BUCKET, n_per_split, stride_gm, stride_bn, stride_vs, stride_vm,
     DORA: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
+    # partial v over the N range of split program_id(1) (as the down pass splits K)
     pid = tl.program_id(0)
+    split = tl.program_id(1)
+    n_lo = split * n_per_split
+    n_hi = tl.minimum(N, n_lo + n_per_split)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_ld = rows % M
     r_idx = tl.arange(0, BLOCK_R)
     dtype = G.dtype.element_ty
     g_ptr = G + rows_ld.to(tl.int64)[:, None] * stride_gm
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
+    for n0 in range(n_lo, n_hi, BLOCK_N):
         ns = n0 + tl.arange(0, BLOCK_N)
-        nmask = ns < N
+        nmask = ns < n_hi
         g = tl.load(g_ptr + ns[None, :], mask=nmask[None, :], other=0.0)  # (BM, BN)
         b = tl.load(B + ns.to(tl.int64)[:, None] * stride_bn + r_idx[None, :],
                     mask=nmask[:, None] & (r_idx[None, :] < R), other=0.0).to(tl.float32)  # (BN, BR)
         if DORA:
             b = b * tl.load(MS + ns, mask=nmask, other=0.0)[:, None]  # (g * c) B = g (c * B)
         acc = tl.dot(g, b.to(dtype), acc, input_precision=PRECISION)
-    tl.store(V + rows.to(tl.int64)[:, None] * stride_vm + r_idx[None, :], acc,
+    tl.store(V + split * stride_vs + rows.to(tl.int64)[:, None] * stride_vm + r_idx[None, :], acc,
              mask=(rows[:, None] < M) & (r_idx[None, :] < R))
 
 
-@triton.jit(do_not_specialize=["M", "rows_per_split"])
+@triton.jit(do_not_specialize=["M", "M_BUCKET", "rows_per_split"])
 def _bwd_db_kernel(
-    G, U, Z, DB, DC, M, N, R, rows_per_split,
+    G, U, Z, DB, DC, M, N, R, M_BUCKET, rows_per_split,
     stride_gm, stride_um, stride_zm, stride_dbs, stride_dbn, stride_dcs,
     DORA_DC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -336,10 +398,10 @@ def _bwd_db_kernel(
         tl.store(DC + split * stride_dcs + cols, acc_c, mask=cmask)
 
 
-@triton.jit(do_not_specialize=["M", "key0", "key1", "ctr2", "ctr3", "threshold"])
+@triton.jit(do_not_specialize=["M", "M_BUCKET", "key0", "key1", "ctr2", "ctr3", "threshold"])
 def _bwd_dx_kernel(
-    G, W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, NF4_TABLE, V, A, MS, DX,
-    M, N, K, R, scaling, stride_gm, stride_wn, stride_vm, stride_am, stride_dxm,
+    G, W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, V, A, MS, DX,
+    M, N, K, R, M_BUCKET, scaling, stride_gm, stride_wn, stride_vm, stride_am, stride_dxm,
     key0, key1, ctr2, ctr3, threshold, drop_scale,
     DORA: tl.constexpr, DROPOUT: tl.constexpr, NF4: tl.constexpr, DOUBLE_QUANT: tl.constexpr,
     NF4_BLOCK: tl.constexpr, NF4_K_ALIGNED: tl.constexpr, PRECISION: tl.constexpr,
@@ -361,7 +423,7 @@ def _bwd_dx_kernel(
         nmask = ns < N
         g = tl.load(g_ptr + ns[None, :], mask=nmask[None, :], other=0.0)  # (BM, BN), 0 past N
         # rows past N load a valid row of W (ns % N) and meet g = 0
-        w = _w_tile(W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, NF4_TABLE, ns % N, k0, K, stride_wn,
+        w = _w_tile(W, CODES, ABSMAX, ABSMAX2, ABSMAX_CODE, DQ_OFFSET, ns % N, k0, K, stride_wn,
                     NF4, DOUBLE_QUANT, NF4_BLOCK, NF4_K_ALIGNED, BLOCK_N, BLOCK_K, dtype)  # (BN, BK)
         if DORA:
             c = tl.load(MS + ns, mask=nmask, other=0.0)[None, :]
@@ -373,7 +435,9 @@ def _bwd_dx_kernel(
         else:
             acc = tl.dot(g, w, acc, input_precision=PRECISION)
 
-    # epilogue: + D * (s v A [+ (g (c - 1)) W]) over rank chunks (v fp32 [M, R], A [R, K])
+    # epilogue: + D * (s v A [+ (g (c - 1)) W]) over rank chunks (v fp32 [M, R], A [R, K]). Without
+    # dropout s v A goes into acc; with DoRA and dropout into acc_d (both then take the mask); with
+    # dropout alone into a second tile `lora` (the launcher counts two tiles for these configs).
     ks_ld = ks % K
     r_idx = tl.arange(0, BLOCK_R)
     lora = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -381,20 +445,26 @@ def _bwd_dx_kernel(
         rr = r0 + r_idx
         v = tl.load(V + rows_ld.to(tl.int64)[:, None] * stride_vm + rr[None, :], mask=rr[None, :] < R, other=0.0)
         a = tl.load(A + rr.to(tl.int64)[:, None] * stride_am + ks_ld[None, :], mask=rr[:, None] < R, other=0.0)
-        lora = tl.dot((v * scaling).to(dtype), a.to(dtype), lora, input_precision=PRECISION)
-    if DORA and DROPOUT:
-        lora += acc_d
+        vs = (v * scaling).to(dtype)
+        if not DROPOUT:
+            acc = tl.dot(vs, a.to(dtype), acc, input_precision=PRECISION)
+        elif DORA:
+            acc_d = tl.dot(vs, a.to(dtype), acc_d, input_precision=PRECISION)
+        else:
+            lora = tl.dot(vs, a.to(dtype), lora, input_precision=PRECISION)
     if DROPOUT:
+        if DORA:
+            lora = acc_d
         dx = acc + _keep_scale(rows_ld, k0, key0, key1, ctr2, ctr3, threshold, drop_scale, BLOCK_M, BLOCK_K) * lora
     else:
-        dx = acc + lora
+        dx = acc
     tl.store(DX + rows.to(tl.int64)[:, None] * stride_dxm + ks[None, :], dx.to(DX.dtype.element_ty),
              mask=(rows[:, None] < M) & (ks[None, :] < K))
 
 
-@triton.jit(do_not_specialize=["M", "rows_per_split", "key0", "key1", "ctr2", "ctr3", "threshold"])
+@triton.jit(do_not_specialize=["M", "M_BUCKET", "rows_per_split", "key0", "key1", "ctr2", "ctr3", "threshold"])
 def _bwd_da_kernel(
-    X, V, DA, M, K, R, rows_per_split, stride_xm, stride_vm, stride_das, stride_dar,
+    X, V, DA, M, K, R, M_BUCKET, rows_per_split, stride_xm, stride_vm, stride_das, stride_dar,
     key0, key1, ctr2, ctr3, threshold, drop_scale,
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,

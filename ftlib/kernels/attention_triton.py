@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _attention_kernels as _k
 
-__all__ = ["attention_triton"]
+__all__ = ["KERNELS", "PREPROCESS_BLOCK_M", "attention_triton", "tile_configs"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
@@ -45,11 +45,14 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y (documents / batch rows) and
 #   * BLOCK_M=64, BLOCK_N=64, 4 warps, 4 stages: short documents (packed batches), where a tall
 #     query tile would be mostly past the document end, and D = 64 on Ampere.
 #   * BLOCK_M=128, BLOCK_N=128, 8 warps, 2 stages: Hopper, D = 64: halves the loop trip count.
-#   * BLOCK_M=64, BLOCK_N=32, 4 warps, 2 stages: D = 256 (the accumulator alone is 64 KiB).
-# dK/dV (a key tile owns two fp32 accumulators BLOCK_N x D, and loops over query tiles):
+#   * BLOCK_M=64, BLOCK_N=32, 8 warps, 2 stages: D = 256 (the accumulator alone is 64 KiB; 4 warps
+#     spill) and fp32 (exact dots on FMA units hold Q, K, V and P in registers).
+# dK/dV (a key tile owns two fp32 accumulators BLOCK_N x D and holds K, V; loops over query tiles):
 #   * BLOCK_M=32/64 (query rows streamed), BLOCK_N=128/64 (keys owned): the FA2 Triton choice,
 #     long key tiles amortise the dK/dV registers, short query tiles keep the 4 live tiles small.
-#   * BLOCK_M=32, BLOCK_N=64, 8 warps: D = 256, where dK + dV are 2 x 64 x 256 fp32.
+#     32 x 128 with 8 warps is D = 64's; D = 128 takes 32 x 64 with 8 warps (32 x 128 spills).
+#   * BLOCK_M=32, BLOCK_N=32, 8 warps: D = 256 and fp32 on sm_90 (the only tiles that do not spill);
+#     BLOCK_M=16 for fp32 on sm_80.
 # Configurations whose shared memory (estimated below) exceeds the device's, or whose fp32
 # accumulators exceed 128 values per thread (spills), are pruned before timing, so one list
 # serves sm_80, sm_86, sm_89 and sm_90, and every head dim up to 256 keeps at least one entry.
@@ -68,12 +71,16 @@ if _INTERPRET:
 else:
     _FWD_CONFIGS = [
         _cfg(128, 64, 8, 3), _cfg(128, 32, 4, 2), _cfg(64, 64, 4, 4),
-        _cfg(128, 128, 8, 2), _cfg(64, 32, 4, 2),
+        _cfg(128, 128, 8, 2), _cfg(64, 32, 8, 2), _cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2),
     ]
+    # (dK/dV: the register words of each entry are counted in _estimate; configurations that
+    # spill on sm_90 / sm_80 exceed it, see benchmarks/results/compile.csv)
     _DKDV_CONFIGS = [
         _cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 2), _cfg(32, 64, 8, 2),
+        _cfg(32, 32, 8, 2), _cfg(16, 32, 8, 2),
     ]
-    _DQ_CONFIGS = [_cfg(128, 32, 8, 2), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)]
+    _DQ_CONFIGS = [_cfg(128, 32, 8, 2), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 8, 2), _cfg(64, 32, 4, 2),
+                   _cfg(32, 32, 4, 2)]
 
 
 # FTLIB_ATTN_AUTOTUNE=0 skips timing: the first configuration of each list that fits is used.
@@ -81,6 +88,10 @@ else:
 # beyond rounding order.
 _AUTOTUNE = os.environ.get("FTLIB_ATTN_AUTOTUNE", "1") != "0"
 _MAX_ACC_PER_THREAD = 128  # fp32 accumulator values per thread before registers spill (255 max)
+# dK/dV with exact fp32 dots (FMA, no tensor cores) needs more registers per value held: the
+# compile check (ftlib.kernels.compile_check) finds spills above 40 words on sm_80
+_MAX_DKDV_FP32_WORDS = 40  # (48 spills 24 B on sm_80)
+_MAX_FP32_WORDS = 64  # forward / dQ with fp32 dots: register words (accumulator, Q, K, V, P) a thread
 
 
 def _smem_budget() -> int:
@@ -88,27 +99,50 @@ def _smem_budget() -> int:
     return int(props["max_shared_mem"])
 
 
+def tile_configs(kind: str, meta: dict, smem_limit: int) -> list[tuple[triton.Config, int]]:
+    """The configurations kernel ``kind`` (``fwd``, ``dkdv``, ``dq``) may run with constexprs ``meta`` on a
+    device with ``smem_limit`` bytes of shared memory per block, in preference order, each with its
+    shared-memory estimate in bytes. The first is the one taken without autotuning."""
+    d = meta["BLOCK_D"]
+    esize = 4 if meta["PRECISION"] == "ieee" else 2
+    reg_limit = _MAX_ACC_PER_THREAD
+    if esize == 4:
+        reg_limit = _MAX_DKDV_FP32_WORDS if kind == "dkdv" else _MAX_FP32_WORDS
+    kept = []
+    for c in _CONFIGS[kind]:
+        smem, words = _estimate(kind, c, d, esize)
+        if smem <= smem_limit and words <= reg_limit:
+            kept.append((c, smem))
+    if not kept:
+        c = min(_CONFIGS[kind], key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+        kept = [(c, _estimate(kind, c, d, esize)[0])]
+    return kept
+
+
+_SCRATCH = 1024  # shared memory the compiler adds for reductions and layout conversions (256 B seen)
+
+
+def _estimate(kind, c, d, esize) -> tuple[int, int]:
+    """(shared memory bytes, fp32 accumulator values per thread; dK/dV: register words per thread)."""
+    bm, bn, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)
+    threads = 32 * c.num_warps
+    if kind == "dkdv":  # K, V resident, Q and dO streamed per stage; dK, dV accumulators
+        # registers (32-bit words a thread): dK, dV fp32, K and V held, and one Q / dO tile each
+        words = (2 * bn * d * 4 + 2 * bn * d * esize + 2 * bm * d * esize) // 4 // threads
+        return 2 * bn * d * esize + st * 2 * bm * d * esize + _SCRATCH, words
+    # Q (and dO) resident, K and V streamed per stage; one BM x D accumulator
+    if esize == 4:  # exact fp32 dots on FMA units: Q, K, V and P are held in registers beside it
+        words = (2 * bm * d + 2 * bn * d + bm * bn) // threads
+    else:
+        words = bm * d // threads
+    return 2 * bm * d * esize + st * 2 * bn * d * esize + _SCRATCH, words
+
+
 def _prune(kind):
     """Keep configurations whose tiles fit the device's shared memory and the register file."""
 
     def prune(configs, named_args, **kwargs):
-        d = kwargs["BLOCK_D"]
-        esize = 4 if kwargs["PRECISION"] == "ieee" else 2
-        budget = _smem_budget()
-        kept = []
-        for c in configs:
-            bm, bn, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)
-            threads = 32 * c.num_warps
-            if kind == "dkdv":  # K, V resident, Q and dO streamed per stage; dK, dV accumulators
-                smem = 2 * bn * d * esize + st * 2 * bm * d * esize
-                acc = 2 * bn * d // threads
-            else:  # Q (and dO) resident, K and V streamed per stage; one BM x D accumulator
-                smem = 2 * bm * d * esize + st * 2 * bn * d * esize
-                acc = bm * d // threads
-            if smem <= budget and acc <= _MAX_ACC_PER_THREAD:
-                kept.append(c)
-        if not kept:
-            kept = [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+        kept = [c for c, _ in tile_configs(kind, kwargs, _smem_budget())]
         return kept if _AUTOTUNE else kept[:1]
 
     return prune
@@ -124,6 +158,12 @@ def _autotune(configs, kind):
     )
 
 
+_CONFIGS = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
+# kernel name -> the @triton.jit kernel (unwrapped), for the compile check
+KERNELS = {"fwd": _k._fwd_kernel, "dkdv": _k._bwd_dkdv_kernel, "dq": _k._bwd_dq_kernel,
+           "preprocess": _k._bwd_preprocess}
+PREPROCESS_BLOCK_M = 16 if _INTERPRET else 64  # the D = rowsum(dO * O) pass's fixed tile
+
 # The autotuned kernels (names kept from the kernel module so tests can swap their configs).
 _fwd_kernel = _autotune(_FWD_CONFIGS, "fwd")(_k._fwd_kernel)
 _bwd_dkdv_kernel = _autotune(_DKDV_CONFIGS, "dkdv")(_k._bwd_dkdv_kernel)
@@ -135,7 +175,11 @@ _bwd_preprocess = _k._bwd_preprocess
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
-_PRE_BLOCK_M = 16 if _INTERPRET else 64
+
+
+def _cdiv(a: int, b: int) -> int:
+    # host-side ceil division in plain integers (triton.cdiv is a kernel-language function)
+    return -(-a // b)
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -189,7 +233,7 @@ class _Geometry:
         self.causal = causal
         self.scale = scale
         self.hq, self.hkv, self.d = q.shape[-2], k.shape[-2], q.shape[-1]
-        self.block_d = max(16, triton.next_power_of_2(self.d))
+        self.block_d = max(16, 1 << max(self.d - 1, 0).bit_length())  # next power of two, plain int math
         self.precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact fp32
         if self.varlen:
             self.cu = cu_seqlens
@@ -226,7 +270,7 @@ def _forward(q, k, v, geo: _Geometry):
         return o.zero_(), lse
     # (query tiles, documents, heads): tiles of one head run side by side and share K/V in L2;
     # documents and heads on their own axes keep each under CUDA's 65535 limit for y and z.
-    grid = lambda meta: (triton.cdiv(geo.seqlen_q, meta["BLOCK_M"]), geo.batch, geo.hq)
+    grid = lambda meta: (_cdiv(geo.seqlen_q, meta["BLOCK_M"]), geo.batch, geo.hq)
     with _device_guard(q):
         _fwd_kernel[grid](
             q, k, v, o, lse, geo.cu, geo.scale * _LOG2E,
@@ -248,13 +292,13 @@ def _backward(do, q, k, v, o, lse, geo: _Geometry):
     vl, meta = geo.varlen, geo.meta()
     group = geo.hq // geo.hkv
     with _device_guard(q):
-        pre_grid = (triton.cdiv(geo.seqlen_q, _PRE_BLOCK_M), geo.batch, geo.hq)
+        pre_grid = (_cdiv(geo.seqlen_q, PREPROCESS_BLOCK_M), geo.batch, geo.hq)
         _bwd_preprocess[pre_grid](
             o, do, delta, geo.cu, *_bth(o, vl), *_bth(do, vl), *geo.lse_strides(delta),
             geo.seqlen_q,
-            IS_VARLEN=vl, HEAD_DIM=geo.d, BLOCK_D=geo.block_d, BLOCK_M=_PRE_BLOCK_M,
+            IS_VARLEN=vl, HEAD_DIM=geo.d, BLOCK_D=geo.block_d, BLOCK_M=PREPROCESS_BLOCK_M,
         )
-        kv_grid = lambda m: (triton.cdiv(geo.seqlen_k, m["BLOCK_N"]), geo.batch, geo.hkv)
+        kv_grid = lambda m: (_cdiv(geo.seqlen_k, m["BLOCK_N"]), geo.batch, geo.hkv)
         _bwd_dkdv_kernel[kv_grid](
             q, k, v, do, dk, dv, lse, delta, geo.cu, geo.scale * _LOG2E, geo.scale,
             *_bth(q, vl), *_bth(k, vl), *_bth(v, vl), *_bth(do, vl), *_bth(dk, vl), *_bth(dv, vl),
@@ -262,7 +306,7 @@ def _backward(do, q, k, v, o, lse, geo: _Geometry):
             geo.seqlen_q, geo.seqlen_k, group,
             **meta,
         )
-        q_grid = lambda m: (triton.cdiv(geo.seqlen_q, m["BLOCK_M"]), geo.batch, geo.hq)
+        q_grid = lambda m: (_cdiv(geo.seqlen_q, m["BLOCK_M"]), geo.batch, geo.hq)
         _bwd_dq_kernel[q_grid](
             q, k, v, do, dq, lse, delta, geo.cu, geo.scale * _LOG2E, geo.scale,
             *_bth(q, vl), *_bth(k, vl), *_bth(v, vl), *_bth(do, vl), *_bth(dq, vl),

@@ -3,7 +3,7 @@
 One pass over the N = B*T tokens of a batch, each token decided on its own (no token looks at
 another), so this reference and the Triton kernel (``_augment_kernels.py``, launched by
 ``augment_triton.py``) compute the same function element by element and agree bit for bit on
-any device, block size or grid. ``augment_dispatch.py`` chooses between them. This module also
+any device, block size or grid. ``augment.py`` chooses between them. This module also
 holds what both backends share: the constants, ``AugmentParams`` and the input checks.
 
 Inputs (all on one device): ``input_ids`` [...] int64/int32, ``labels`` (same shape, -100 = no

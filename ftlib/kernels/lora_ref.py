@@ -144,10 +144,13 @@ class LoRASpec:
     dropout: bool
 
 
-def is_nf4(weight) -> bool:
-    from ftlib.lora.nf4 import NF4Linear
+_NF4_FIELDS = ("codes", "absmax", "blocksize", "double_quant", "out_features", "in_features", "dequantize")
 
-    return isinstance(weight, NF4Linear)
+
+def is_nf4(weight) -> bool:
+    """Whether ``weight`` is an NF4 base (``ftlib.lora.NF4Linear`` or anything with its fields, in
+    ``nf4_ref``'s layout): kernels know the storage format, not the layer class."""
+    return not isinstance(weight, torch.Tensor) and all(hasattr(weight, f) for f in _NF4_FIELDS)
 
 
 def check_lora_args(x, weight, lora_A, lora_B, scaling, bias, dropout_p, seed, offset, magnitude,

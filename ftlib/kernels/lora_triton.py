@@ -26,9 +26,10 @@ import triton
 from torch.autograd.function import once_differentiable
 
 from . import _lora_kernels as _k
+from .dora_ref import dora_row_norm, row_sq_norm
 from .lora_ref import check_lora_args, is_nf4, lora_matmul_ref, rng_words
 
-__all__ = ["MAX_RANK", "base_matmul_triton", "dropout_mask_triton", "lora_matmul_triton"]
+__all__ = ["KERNELS", "MAX_RANK", "base_matmul_triton", "dropout_mask_triton", "lora_matmul_triton", "tile_configs"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,16 +44,26 @@ MAX_RANK = 256  # the skinny kernels keep a whole [tile, R] accumulator in regis
 #     wgmma, 3 x 48 KiB of operand stages fit H100's 227 KiB and A100's 163 KiB.
 #   * 256 x 128 x 64, 8 warps, 3 stages: the NF4 choice: each dequantized W tile serves 256 rows,
 #     halving the dequantization work per FLOP (see _lora_kernels.py).
-#   * 128 x 128 x 64, 8 warps, 4 stages: DoRA with dropout (two fp32 accumulators: 2 x 64 values
-#     per thread); also fine for everything on A100.
+#   * 128 x 128 x 64, 8 warps, 4 stages: DoRA with dropout and dX with dropout (two fp32 tiles:
+#     2 x 64 values per thread), and NF4 (the dequantized tile is built in fp32 registers: the wider
+#     tiles spill on sm_80); also fine for everything on A100.
+#   * 128 x 128 x 32, 8 warps, 4 stages: fp32 (exact dots on FMA units hold their operands in
+#     registers; with 4 warps they spill on sm_80).
 #   * 128 x 128 x 32, 4 warps, 4 stages: consumer Ampere / Ada (sm_86/89, ~100 KiB shared memory).
 #   * 64 x 128 x 64 and 64 x 64 x 64: few tokens (the grid would not fill the GPU), and fp32.
-#   * 64 x 64 x 32, 2 stages: fp32 (exact ieee dots, 4-byte operands) on small shared memory.
+#   * 64 x 64 x 32, 2 stages: NF4 with K not a multiple of the blocksize (per-element gathers)
+#     and fp32 on small shared memory.
 # Skinny passes (down: u over K; v over N; dB, dA over a token split): memory-bound streams with
 # an accumulator [tile, R] (R padded to a power of two >= 16) held in registers.
-# Configurations whose shared memory (estimated below) exceeds the device's, or whose fp32
-# accumulators exceed 128 values per thread, are pruned before timing, so one list serves sm_80,
-# sm_86, sm_89 and sm_90 and every rank up to 256.
+# Known spills of defaults (benchmarks/results/compile.csv, left for now): rank 256's down pass
+# everywhere (see _estimate); sm_89 (101 KiB) takes tiles
+# that spill up to 64 B and, for ranks > 16, the 128 x 128 x 32 GEMM tile misses its
+# shared-memory limit (the estimate does not count the rank-64 epilogue there: to be fixed).
+# Configurations whose shared memory (estimated below) exceeds the device's, or whose tiles held in
+# registers exceed 128 words per thread, are pruned before timing, so one list serves sm_80,
+# sm_86, sm_89 and sm_90 and every rank up to 256. The first that fits is the one taken without
+# autotuning; ftlib.kernels.compile_check compiles them for sm_90 / sm_80 / sm_89 and checks that
+# it spills nothing and that the estimate covers the compiled shared memory.
 # ----------------------------------------------------------------------------------------------
 
 def _cfg(warps, stages, **blocks):
@@ -75,6 +86,7 @@ else:
         _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8),
         _cfg(8, 3, BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
         _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
+        _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8),
         _cfg(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8),
         _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
         _cfg(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8),
@@ -85,12 +97,14 @@ else:
         _cfg(8, 3, BLOCK_M=128, BLOCK_K=256, BLOCK_N=64, GROUP_M=8),
         _cfg(8, 3, BLOCK_M=256, BLOCK_K=128, BLOCK_N=64, GROUP_M=8),
         _cfg(8, 4, BLOCK_M=128, BLOCK_K=128, BLOCK_N=64, GROUP_M=8),
+        _cfg(8, 4, BLOCK_M=128, BLOCK_K=128, BLOCK_N=32, GROUP_M=8),
         _cfg(4, 4, BLOCK_M=128, BLOCK_K=128, BLOCK_N=32, GROUP_M=8),
         _cfg(4, 4, BLOCK_M=64, BLOCK_K=128, BLOCK_N=64, GROUP_M=8),
         _cfg(4, 3, BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, GROUP_M=8),
         _cfg(4, 2, BLOCK_M=64, BLOCK_K=64, BLOCK_N=32, GROUP_M=8),
     ]
     _DOWN_CONFIGS = [
+        _cfg(8, 3, BLOCK_M=64, BLOCK_K=128), _cfg(8, 3, BLOCK_M=64, BLOCK_K=64),
         _cfg(4, 3, BLOCK_M=64, BLOCK_K=128), _cfg(4, 4, BLOCK_M=128, BLOCK_K=64), _cfg(8, 3, BLOCK_M=128, BLOCK_K=128),
         _cfg(4, 4, BLOCK_M=32, BLOCK_K=128), _cfg(4, 2, BLOCK_M=32, BLOCK_K=64),
     ]
@@ -100,7 +114,7 @@ else:
     ]
     _DB_CONFIGS = [
         _cfg(4, 3, BLOCK_N=64, BLOCK_M=128), _cfg(4, 4, BLOCK_N=128, BLOCK_M=64), _cfg(8, 3, BLOCK_N=128, BLOCK_M=128),
-        _cfg(4, 2, BLOCK_N=32, BLOCK_M=64),
+        _cfg(4, 2, BLOCK_N=32, BLOCK_M=64), _cfg(8, 2, BLOCK_N=32, BLOCK_M=64),
     ]
     _DA_CONFIGS = [
         _cfg(4, 3, BLOCK_K=64, BLOCK_M=128), _cfg(4, 4, BLOCK_K=128, BLOCK_M=64), _cfg(8, 3, BLOCK_K=128, BLOCK_M=128),
@@ -110,7 +124,8 @@ else:
 # FTLIB_LORA_AUTOTUNE=0 skips timing: the first configuration of each list that fits is used
 # (the gpu-marked tests set it to save compile time).
 _AUTOTUNE = os.environ.get("FTLIB_LORA_AUTOTUNE", "1") != "0"
-_MAX_ACC_PER_THREAD = 128  # fp32 accumulator values per thread before registers spill
+_MAX_ACC_PER_THREAD = 128  # register words per thread the big tiles may take (255 registers in all)
+_MAX_SKINNY_WORDS = 96  # the down / dB passes' limit (their other live values are many small tiles)
 
 
 def _smem_budget() -> int:
@@ -124,64 +139,126 @@ _SKINNY_BLOCKS = {"down": ("BLOCK_M", "BLOCK_K"), "v": ("BLOCK_M", "BLOCK_N"),
 
 
 def _estimate(kind, c, kwargs) -> tuple[int, int]:
-    """(shared memory bytes, fp32 accumulator values per thread) of config ``c`` for one launch."""
+    """(shared memory bytes, 32-bit register words per thread the big tiles take) of config ``c``.
+
+    Calibrated against the compiled kernels (``ftlib.kernels.compile_check``; the table is
+    ``benchmarks/results/compile.csv``): the estimate is never below the compiled shared memory,
+    and the configurations within ``_MAX_ACC_PER_THREAD`` words do not spill on sm_80 / sm_90.
+    """
     esize = 4 if kwargs["PRECISION"] == "ieee" else 2
     stages, threads, kw = max(c.num_stages, 1), 32 * c.num_warps, c.kwargs
     br = kwargs["BLOCK_R"]
     if kind in ("fwd", "dx"):
         bm = kw["BLOCK_M"]
         width, red = (kw["BLOCK_N"], kw["BLOCK_K"]) if kind == "fwd" else (kw["BLOCK_K"], kw["BLOCK_N"])
-        two = kwargs.get("DROP_DORA", False) or (kind == "dx" and kwargs["DORA"] and kwargs["DROPOUT"])
+        # two fp32 tiles: forward x W^T and h W^T (DoRA with dropout); dX g W and the masked part
+        two = kwargs.get("DROP_DORA", False) or (kind == "dx" and kwargs["DROPOUT"])
         a_stage = bm * red * esize * (2 if two and kind == "fwd" else 1)  # x (and h) tiles
-        if kwargs["NF4"]:  # packed codes are staged; the dequantized tile is written once per step
+        words = bm * width * (2 if two else 1)  # fp32 accumulators
+        if kwargs["NF4"] and kwargs["NF4_K_ALIGNED"]:
+            # packed codes are staged; the dequantized tile is written once per step and is held in
+            # registers in fp32 while it is built
             w_stage, extra = width * red // 2, width * red * esize
+            words += width * red
+        elif kwargs["NF4"]:
+            # unaligned K: a code byte and the absmax (fp32, or u8 + fp32 second level) are gathered per
+            # element and staged per step; their indices and values take registers too
+            w_stage, extra = width * red * (6 if kwargs["DOUBLE_QUANT"] else 5), width * red * esize
+            words += bm * width + 3 * width * red
         else:
             w_stage, extra = width * red * esize, 0
-        epilogue = (bm + width) * br * 4
-        return max(stages * (a_stage + w_stage) + extra, epilogue), bm * width * (2 if two else 1) // threads
+        if esize == 4:  # exact fp32 dots run on FMA units: operands are held in registers
+            words += (bm + width) * red
+        # the rank-r epilogue's operands (u or v, and B or A) are staged beside the main loop's buffers
+        epilogue = (bm + width) * br * esize
+        return stages * (a_stage + w_stage) + extra + epilogue, words // threads
     tile, red = (kw[name] for name in _SKINNY_BLOCKS[kind])
-    return stages * (tile * red * esize + br * red * 4), tile * br // threads
+    smem = stages * (tile * red * esize + br * red * 4)
+    if kind not in ("down", "db"):
+        return smem, tile * br // threads
+    # down / dB: the [tile, R] accumulator, the adapter tile [R, red] and, in the down pass, the
+    # Philox state of the dropout mask (2 words an element; 4 when h is written too)
+    k = (4 if kwargs.get("WRITE_H") else 2) if kwargs.get("DROPOUT") else 0
+    words = (tile * br + br * red * esize // 4 + tile * red * k) // threads
+    # rank 256 in the down pass spills in every tile compiled (the [64, 256] fp32 accumulator and
+    # A's [256, 64] tile): 64 x 64 x 8 warps spills least (112 B on sm_90), which this limit picks
+    return smem, words * _MAX_ACC_PER_THREAD // _MAX_SKINNY_WORDS
+
+
+def _word_limit(kind, meta, arch) -> int:
+    # Before Hopper (mma.sync: accumulator and operand fragments both in registers) the GEMMs have
+    # fewer registers to spare: the forward's bias or DoRA epilogue and dX's second accumulator with
+    # DoRA and dropout spill the 128-word tiles by 8-56 B on sm_80 (compile.csv): smaller tiles there.
+    if arch >= 90 or kind not in ("fwd", "dx"):
+        return _MAX_ACC_PER_THREAD
+    if kind == "fwd":
+        extra = meta["HAS_BIAS"] or (meta["DORA"] and not meta["DROP_DORA"])
+    else:
+        extra = meta["DORA"] and meta["DROPOUT"]
+    if not extra:
+        return _MAX_ACC_PER_THREAD
+    return _MAX_ACC_PER_THREAD * 5 // 8 if meta["NF4"] else _MAX_ACC_PER_THREAD - 8
+
+
+def tile_configs(kind: str, meta: dict, smem_limit: int, arch: int = 90) -> list[tuple[triton.Config, int]]:
+    """The configurations pass ``kind`` may run with constexprs ``meta`` on a device with ``smem_limit`` bytes
+    of shared memory per block, in preference order, each with its shared-memory estimate in bytes.
+
+    ``arch`` is the compute capability as 10 * major + minor (sm_80: 80). The first is the one taken
+    without autotuning (``FTLIB_LORA_AUTOTUNE=0``); the compile check
+    (``ftlib.kernels.compile_check``) compiles each for real targets and holds the estimate to be
+    no smaller than the compiled figure.
+    """
+    configs = _CONFIGS[kind]
+    kept = []
+    for c in configs:
+        smem, acc = _estimate(kind, c, meta)
+        if smem <= smem_limit and acc <= _word_limit(kind, meta, arch):
+            kept.append((c, smem))
+    if kind in ("fwd", "dx") and meta["NF4"] and meta["NF4_K_ALIGNED"]:
+        # prefer tiles whose K range is whole NF4 blocks or part of one (packed code loads)
+        nb = meta["NF4_BLOCK"]
+        aligned = [(c, s) for c, s in kept if nb % c.kwargs["BLOCK_K"] == 0 or c.kwargs["BLOCK_K"] % nb == 0]
+        kept = aligned or kept
+    if not kept:
+        c = min(configs, key=lambda c: _estimate(kind, c, meta))
+        kept = [(c, _estimate(kind, c, meta)[0])]
+    return kept
 
 
 def _prune(kind):
     def prune(configs, named_args, **kwargs):
-        budget = _smem_budget()
-        kept = []
-        for c in configs:
-            smem, acc = _estimate(kind, c, kwargs)
-            if smem <= budget and acc <= _MAX_ACC_PER_THREAD:
-                kept.append(c)
-        if kind in ("fwd", "dx") and kwargs["NF4"] and kwargs["NF4_K_ALIGNED"]:
-            # prefer tiles whose K range is whole NF4 blocks or part of one (packed code loads)
-            nb = kwargs["NF4_BLOCK"]
-            aligned = [c for c in kept if nb % c.kwargs["BLOCK_K"] == 0 or c.kwargs["BLOCK_K"] % nb == 0]
-            kept = aligned or kept
-        if not kept:
-            kept = [min(configs, key=lambda c: _estimate(kind, c, kwargs))]
+        major, minor = torch.cuda.get_device_capability()
+        kept = [c for c, _ in tile_configs(kind, kwargs, _smem_budget(), 10 * major + minor)]
         return kept if _AUTOTUNE else kept[:1]
 
     return prune
 
 
 _KEYS = {
-    "fwd": ["N", "K", "R", "HAS_LORA", "HAS_BIAS", "DORA", "DROP_DORA", "WRITE_Z", "NF4", "DOUBLE_QUANT",
+    "fwd": ["M_BUCKET", "N", "K", "R", "HAS_LORA", "HAS_BIAS", "DORA", "DROP_DORA", "WRITE_Z", "NF4", "DOUBLE_QUANT",
             "NF4_BLOCK", "PRECISION"],
-    "dx": ["N", "K", "R", "DORA", "DROPOUT", "NF4", "DOUBLE_QUANT", "NF4_BLOCK", "PRECISION"],
-    "down": ["K", "R", "DROPOUT", "WRITE_H", "PRECISION"],
-    "v": ["N", "R", "DORA", "PRECISION"],
-    "db": ["N", "R", "DORA_DC", "PRECISION"],
-    "da": ["K", "R", "DROPOUT", "PRECISION"],
+    "dx": ["M_BUCKET", "N", "K", "R", "DORA", "DROPOUT", "NF4", "DOUBLE_QUANT", "NF4_BLOCK", "PRECISION"],
+    "down": ["M_BUCKET", "K", "R", "DROPOUT", "WRITE_H", "PRECISION"],
+    "v": ["M_BUCKET", "N", "R", "DORA", "PRECISION"],
+    "db": ["M_BUCKET", "N", "R", "DORA_DC", "PRECISION"],
+    "da": ["M_BUCKET", "K", "R", "DROPOUT", "PRECISION"],
 }
 
 
 def _autotune(configs, kind):
-    # Keys never include the token count M (it may change every step with dynamic padding): the
-    # configuration is tuned on the first call of each layer shape and kept.
+    # Keys hold the token count as M_BUCKET, M rounded up to a power of two (it may change every step
+    # with dynamic padding): one tuning per layer shape and bucket, not one per distinct M.
     if _INTERPRET:
         return triton.autotune(configs=configs, key=[])
     return triton.autotune(configs=configs, key=_KEYS[kind], prune_configs_by={"early_config_prune": _prune(kind)})
 
 
+_CONFIGS = {"fwd": _FWD_CONFIGS, "down": _DOWN_CONFIGS, "v": _V_CONFIGS, "db": _DB_CONFIGS, "dx": _DX_CONFIGS,
+            "da": _DA_CONFIGS}
+# pass name -> the @triton.jit kernel (unwrapped), for the compile check
+KERNELS = {"fwd": _k._fwd_kernel, "down": _k._down_kernel, "v": _k._bwd_v_kernel, "db": _k._bwd_db_kernel,
+           "dx": _k._bwd_dx_kernel, "da": _k._bwd_da_kernel}
 _fwd_kernel = _autotune(_FWD_CONFIGS, "fwd")(_k._fwd_kernel)
 _down_kernel = _autotune(_DOWN_CONFIGS, "down")(_k._down_kernel)
 _bwd_v_kernel = _autotune(_V_CONFIGS, "v")(_k._bwd_v_kernel)
@@ -198,7 +275,11 @@ _bwd_da_kernel = _autotune(_DA_CONFIGS, "da")(_k._bwd_da_kernel)
 # of the largest token tile; partial sums [S, ...] fp32 are added in a fixed order afterwards.
 _SPLIT_ALIGN = 16 if _INTERPRET else 256
 _SPLIT_MIN_ROWS = 16 if _INTERPRET else 1024
-_NF4_TABLES: dict[torch.device, torch.Tensor] = {}
+# K / N splits of the down and v passes: counted against row tiles of _SKINNY_ROWS, each split a
+# multiple of _SKINNY_ALIGN (a multiple of every BLOCK_K / BLOCK_N they use) and >= _SKINNY_MIN long
+_SKINNY_ROWS = 16 if _INTERPRET else 64
+_SKINNY_ALIGN = 32 if _INTERPRET else 256
+_SKINNY_MIN = 32 if _INTERPRET else 1024
 
 
 def _sm_count(device: torch.device) -> int:
@@ -207,16 +288,31 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _splits(m: int, tiles: int, device: torch.device) -> tuple[int, int]:
-    """(number of token splits, rows per split) for a reduction over m tokens with ``tiles`` column tiles."""
-    want = triton.cdiv(2 * _sm_count(device), max(tiles, 1))
-    s = max(1, min(want, m // _SPLIT_MIN_ROWS))
-    rows = triton.cdiv(triton.cdiv(m, s), _SPLIT_ALIGN) * _SPLIT_ALIGN
-    return triton.cdiv(m, rows), rows
+def _cdiv(a: int, b: int) -> int:
+    # plain integer math on the host (triton.cdiv / next_power_of_2 cost microseconds a call in
+    # Triton 3.9, where they are wrapped for use inside kernels; a LoRA call made ~16 of them)
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _splits(m: int, tiles: int, device: torch.device, align: int = 0, min_len: int = 0) -> tuple[int, int]:
+    """(number of splits, length of each) of a reduction of length m with ``tiles`` output tiles.
+
+    Enough programs to fill the GPU, each split a multiple of ``align`` and at least ``min_len`` long
+    (the token splits of dB / dA by default; the K / N splits of the down / v passes).
+    """
+    align, min_len = align or _SPLIT_ALIGN, min_len or _SPLIT_MIN_ROWS
+    want = _cdiv(2 * _sm_count(device), max(tiles, 1))
+    s = max(1, min(want, m // min_len))
+    length = _cdiv(_cdiv(m, s), align) * align
+    return _cdiv(m, length), length
 
 
 def _block_r(r: int, chunk: bool) -> int:
-    full = max(16, triton.next_power_of_2(r))
+    full = max(16, _pow2(r))
     return min(full, 64) if chunk else full  # GEMM epilogues loop over rank chunks of <= 64
 
 
@@ -229,6 +325,7 @@ class _Plan:
 
     def __init__(self, spec, dtype, scaling, seed, offset, weight, bias, device):
         self.m, self.k, self.n, self.r = spec.m, spec.k, spec.n, spec.r
+        self.m_bucket = _pow2(spec.m)  # the autotuners' key for the token count
         self.dtype = dtype
         self.scaling = float(scaling)
         self.dora, self.dropout, self.nf4 = spec.dora, spec.dropout, spec.nf4
@@ -245,16 +342,12 @@ class _Plan:
             absmax = weight.absmax if self.double_quant else weight.absmax.view(f32)
             second = ((weight.absmax2.view(f32), weight.absmax_code.view(f32), weight.offset.view(f32))
                       if self.double_quant else (absmax, absmax, absmax))
-            if device not in _NF4_TABLES:
-                from ftlib.lora.nf4 import NF4_CODE
-
-                _NF4_TABLES[device] = NF4_CODE.to(device)
             codes = weight.codes
-            self.w_args = (codes, codes, absmax, *second, _NF4_TABLES[device])
+            self.w_args = (codes, codes, absmax, *second)
             self.stride_wn = 0
         else:
             self.double_quant, self.nf4_block = False, 64
-            self.w_args = (weight,) * 7
+            self.w_args = (weight,) * 6
             self.stride_wn = weight.stride(0)
 
     def w_meta(self):
@@ -263,7 +356,7 @@ class _Plan:
 
 
 def _gemm_grid(rows: int, cols: int, row_block: str, col_block: str):
-    return lambda meta: (triton.cdiv(rows, meta[row_block]) * triton.cdiv(cols, meta[col_block]),)
+    return lambda meta: (_cdiv(rows, meta[row_block]) * _cdiv(cols, meta[col_block]),)
 
 
 def _forward(x, a, b, c, plan: _Plan, need_z: bool, has_lora: bool = True, out_dtype=None):
@@ -272,17 +365,22 @@ def _forward(x, a, b, c, plan: _Plan, need_z: bool, has_lora: bool = True, out_d
     u = torch.empty(m, r, dtype=torch.float32, device=x.device) if has_lora else x
     h = torch.empty_like(x) if drop_dora else x  # freed when the forward returns
     if has_lora:
-        _down_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)](
-            x, a, u, h, m, k, r, x.stride(0), a.stride(0), u.stride(0), h.stride(0),
-            *plan.rng, plan.threshold, plan.drop_scale,
+        # few tokens: split K so that the pass still has ~2 programs per SM (partials summed after)
+        splits, k_per = _splits(k, _cdiv(m, _SKINNY_ROWS), x.device, _SKINNY_ALIGN, _SKINNY_MIN)
+        part = u[None] if splits == 1 else torch.empty(splits, m, r, dtype=torch.float32, device=x.device)
+        _down_kernel[lambda meta: (_cdiv(m, meta["BLOCK_M"]), splits)](
+            x, a, part, h, m, k, r, plan.m_bucket, k_per, x.stride(0), a.stride(0), part.stride(0), part.stride(1),
+            h.stride(0), *plan.rng, plan.threshold, plan.drop_scale,
             DROPOUT=plan.dropout, WRITE_H=drop_dora, PRECISION=plan.precision, BLOCK_R=_block_r(r, False),
         )
+        if splits > 1:
+            torch.sum(part, 0, out=u)
     y = torch.empty(m, n, dtype=out_dtype or plan.dtype, device=x.device)
     z = torch.empty(m, n, dtype=plan.dtype, device=x.device) if need_z else y
     bias = plan.bias if plan.bias is not None else y
     _fwd_kernel[_gemm_grid(m, n, "BLOCK_M", "BLOCK_N")](
         x, h, *plan.w_args, u, b if has_lora else x, bias, c if plan.dora else y, y, z,
-        m, n, k, r, plan.scaling,
+        m, n, k, r, plan.m_bucket, plan.scaling,
         x.stride(0), h.stride(0), plan.stride_wn, u.stride(0), b.stride(0) if has_lora else 0, y.stride(0),
         z.stride(0),
         HAS_LORA=has_lora, HAS_BIAS=plan.bias is not None, DORA=plan.dora, DROP_DORA=drop_dora, WRITE_Z=need_z,
@@ -300,16 +398,21 @@ def _backward(g, x, u, z, a, b, c, plan: _Plan, need):
     rng = (*plan.rng, plan.threshold, plan.drop_scale)
     if need_x or need_a:
         v = torch.empty(m, r, dtype=torch.float32, device=dev)
-        _bwd_v_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)](
-            g, b, c if plan.dora else v, v, m, n, r, g.stride(0), b.stride(0), v.stride(0),
+        splits, n_per = _splits(n, _cdiv(m, _SKINNY_ROWS), dev, _SKINNY_ALIGN, _SKINNY_MIN)
+        part = v[None] if splits == 1 else torch.empty(splits, m, r, dtype=torch.float32, device=dev)
+        _bwd_v_kernel[lambda meta: (_cdiv(m, meta["BLOCK_M"]), splits)](
+            g, b, c if plan.dora else v, part, m, n, r, plan.m_bucket, n_per, g.stride(0), b.stride(0),
+            part.stride(0), part.stride(1),
             DORA=plan.dora, PRECISION=plan.precision, BLOCK_R=_block_r(r, False),
         )
+        if splits > 1:
+            torch.sum(part, 0, out=v)
     if need_b or need_c:
-        splits, rows = _splits(m, triton.cdiv(n, 64), dev)
+        splits, rows = _splits(m, _cdiv(n, 64), dev)
         db_part = torch.empty(splits, n, r, dtype=torch.float32, device=dev)
         dc_part = torch.empty(splits, n, dtype=torch.float32, device=dev) if need_c else db_part
-        _bwd_db_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)](
-            g, u, z if need_c else g, db_part, dc_part, m, n, r, rows,
+        _bwd_db_kernel[lambda meta: (_cdiv(n, meta["BLOCK_N"]), splits)](
+            g, u, z if need_c else g, db_part, dc_part, m, n, r, plan.m_bucket, rows,
             g.stride(0), u.stride(0), z.stride(0) if need_c else 0, db_part.stride(0), db_part.stride(1),
             dc_part.stride(0),
             DORA_DC=need_c, PRECISION=plan.precision, BLOCK_R=_block_r(r, False),
@@ -323,15 +426,15 @@ def _backward(g, x, u, z, a, b, c, plan: _Plan, need):
         dx = torch.empty(m, k, dtype=plan.dtype, device=dev)
         _bwd_dx_kernel[_gemm_grid(m, k, "BLOCK_M", "BLOCK_K")](
             g, *plan.w_args, v, a, c if plan.dora else v, dx,
-            m, n, k, r, plan.scaling, g.stride(0), plan.stride_wn, v.stride(0), a.stride(0), dx.stride(0), *rng,
+            m, n, k, r, plan.m_bucket, plan.scaling, g.stride(0), plan.stride_wn, v.stride(0), a.stride(0), dx.stride(0), *rng,
             DORA=plan.dora, DROPOUT=plan.dropout, PRECISION=plan.precision, BLOCK_R=_block_r(r, True),
             **plan.w_meta(),
         )
     if need_a:
-        splits, rows = _splits(m, triton.cdiv(k, 64), dev)
+        splits, rows = _splits(m, _cdiv(k, 64), dev)
         da_part = torch.empty(splits, r, k, dtype=torch.float32, device=dev)
-        _bwd_da_kernel[lambda meta: (triton.cdiv(k, meta["BLOCK_K"]), splits)](
-            x, v, da_part, m, k, r, rows, x.stride(0), v.stride(0), da_part.stride(0), da_part.stride(1), *rng,
+        _bwd_da_kernel[lambda meta: (_cdiv(k, meta["BLOCK_K"]), splits)](
+            x, v, da_part, m, k, r, plan.m_bucket, rows, x.stride(0), v.stride(0), da_part.stride(0), da_part.stride(1), *rng,
             DROPOUT=plan.dropout, PRECISION=plan.precision, BLOCK_R=_block_r(r, False),
         )
         da = da_part.sum(0) * plan.scaling  # dA = s v^T h
@@ -419,14 +522,13 @@ def dropout_mask_triton(seed: int, offset: int, rows: int, cols: int, p: float,
     if out.numel():
         bm, bk = 16, 64
         with _device_guard(out):
-            _k._mask_kernel[(triton.cdiv(rows, bm), triton.cdiv(cols, bk))](
+            _k._mask_kernel[(_cdiv(rows, bm), _cdiv(cols, bk))](
                 out, rows, cols, out.stride(0), *rng_words(seed, offset), t, scale, BLOCK_M=bm, BLOCK_K=bk)
     return out
 
 
 def _row_norm(weight, lora_A, lora_B, scaling, dtype):
-    """DoRA's ||W + s B A||_row through ``ftlib.lora.dora`` (W A^T by the kernel: no out x in temporary)."""
-    from ftlib.lora.dora import dora_row_norm, row_sq_norm
+    """DoRA's ||W + s B A||_row through ``dora_ref`` (W A^T by the kernel: no out x in temporary)."""
 
     nf4 = is_nf4(weight)
     w32 = weight.dequantize(torch.float32) if nf4 else None  # ||W||^2 of an NF4 base: one fp32 dequantization

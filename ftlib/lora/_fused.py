@@ -50,7 +50,7 @@ def _row_norm(layer, dtype: torch.dtype) -> torch.Tensor:
 
 def fused_forward(layer, x: torch.Tensor) -> torch.Tensor | None:
     """``layer(x)`` through the fused op, or None when the LoRA backend is not Triton."""
-    from ftlib.kernels.lora_matmul import lora_backend, lora_matmul
+    from ftlib.kernels.lora import lora_backend, lora_matmul
 
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype

@@ -36,7 +36,9 @@ bit patterns. FSDP2's ``fully_shard`` shards and all-gathers them like any other
 parameter, which is what multi-GPU QLoRA needs, and because none of them is a floating
 point tensor, neither an FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16)`` nor
 ``model.to(bfloat16)`` can round the scales (only the bias follows the model's dtype). Dequantization uses bitsandbytes on CUDA when installed
-(``FTLIB_NF4_BACKEND=auto|bnb|torch``), the pure-PyTorch code here elsewhere. The
+(``FTLIB_NF4_BACKEND=auto|bnb|torch``), the pure-PyTorch code elsewhere. The quantization math
+itself lives in ``ftlib.kernels.nf4_ref`` (the kernels read this format); its names are
+re-exported here. The
 matmul recomputes the dequantized weight in backward instead of saving it, so the
 only weight-sized memory is one transient copy in the compute dtype.
 """
@@ -48,6 +50,19 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ftlib.kernels.nf4_ref import (
+    ABSMAX_BLOCKSIZE,
+    NF4_CODE,
+    check_blocksize,
+    dequantize_absmax,
+    dequantize_blockwise_8bit,
+    dequantize_nf4,
+    double_quantize_absmax,
+    dynamic_map,
+    quantize_blockwise_8bit,
+    quantize_nf4,
+)
 
 __all__ = [
     "NF4_CODE",
@@ -62,75 +77,7 @@ __all__ = [
     "quantize_nf4",
 ]
 
-# bitsandbytes.functional.get_4bit_type("nf4"): create_normal_map(offset=0.9677083).
-NF4_CODE = torch.tensor(
-    [
-        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-        -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-        0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-        0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-    ],
-    dtype=torch.float32,
-)
-
-_ABSMAX_BLOCKSIZE = 256  # bitsandbytes' blocksize for the second-level (double) quantization
 _BACKENDS = ("auto", "bnb", "torch")
-_DYNAMIC_MAP: torch.Tensor | None = None
-
-
-def dynamic_map() -> torch.Tensor:
-    """bitsandbytes' signed 8-bit dynamic map (``create_dynamic_map()``), 256 sorted fp32 values.
-
-    Reproduced step for step (same fp32 ``linspace`` and midpoints) so the values are identical.
-    """
-    global _DYNAMIC_MAP
-    if _DYNAMIC_MAP is None:
-        data: list[float] = []
-        max_exp, non_sign = 7, 7
-        for i in range(max_exp):
-            items = int(2 ** (i + non_sign - max_exp) + 1)
-            bounds = torch.linspace(0.1, 1, items, dtype=torch.float32)
-            means = (bounds[:-1] + bounds[1:]) / 2.0
-            data += ((10 ** (-(max_exp - 1) + i)) * means).tolist()
-            data += (-(10 ** (-(max_exp - 1) + i)) * means).tolist()
-        data += [0.0, 1.0]
-        data.sort()
-        _DYNAMIC_MAP = torch.tensor(data, dtype=torch.float32)
-    return _DYNAMIC_MAP
-
-
-def _blockwise_scale(flat: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split fp32 ``flat`` [n] into blocks; return (values / absmax clamped to [-1, 1] [n], absmax [nb])."""
-    n = flat.numel()
-    rem = n % blocksize
-    full = n - rem
-    blocks = flat[:full].view(-1, blocksize)  # (nb_full, blocksize)
-    absmax = blocks.abs().amax(dim=1) if full else flat.new_zeros(0)
-    scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38)).view(-1, 1), -1, 1).reshape(-1)
-    if rem:
-        # bitsandbytes divides (not multiplies by the reciprocal) in the ragged last block
-        am = flat[full:].abs().max().clamp(min=1e-38)
-        absmax = torch.cat([absmax, am.view(1)])
-        scaled = torch.cat([scaled, torch.clamp(flat[full:] / am, -1, 1)])
-    return scaled, absmax
-
-
-def _nearest(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest value in the sorted ``code`` (ties to the lower index), as uint8."""
-    code = code.to(scaled.device)
-    midpoints = (code[:-1] + code[1:]) / 2
-    return torch.bucketize(scaled, midpoints, out_int32=True).to(torch.uint8)
-
-
-_PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
-
-
-def _nf4_pair_table(device: torch.device) -> torch.Tensor:
-    """(256, 2) fp32: the two NF4 values a packed byte stands for, high nibble first."""
-    if device not in _PAIR_TABLES:
-        byte = torch.arange(256)
-        _PAIR_TABLES[device] = torch.stack([NF4_CODE[byte >> 4], NF4_CODE[byte & 0xF]], dim=1).to(device)
-    return _PAIR_TABLES[device]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -141,101 +88,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`_bits`: the int32 bit pattern read as fp32 (a view)."""
     return t.view(torch.float32)
-
-
-def _check_blocksize(blocksize: int) -> None:
-    if blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
-        raise ValueError(f"NF4 blocksize must be one of 32, 64, ..., 4096 (a power of two), got {blocksize}")
-
-
-@torch.no_grad()
-def quantize_nf4(weight: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``weight`` (any shape, fp32/fp16/bf16) to NF4.
-
-    Returns ``codes`` uint8 [ceil(n / 2)] (two codes a byte, first in the high nibble)
-    and ``absmax`` fp32 [ceil(n / blocksize)], equal to bitsandbytes' ``quantize_4bit``
-    output (``codes`` is its packed tensor flattened, ``absmax`` its ``quant_state.absmax``).
-    A weight with NaN/Inf values raises ValueError (it would spoil its whole block).
-    """
-    _check_blocksize(blocksize)
-    if not weight.is_floating_point() or weight.dtype == torch.float64:
-        raise TypeError(f"quantize_nf4 expects a fp32/fp16/bf16 tensor, got {weight.dtype}")
-    if weight.numel() == 0:
-        raise ValueError("quantize_nf4: cannot quantize an empty tensor")
-    flat = weight.reshape(-1)
-    scaled, absmax = _blockwise_scale(flat.float(), blocksize)
-    if not bool(torch.isfinite(absmax).all()):  # [nb] values: a cheap check; NaN/Inf would spoil a block
-        first = int((~torch.isfinite(flat)).nonzero()[0, 0])
-        raise ValueError(f"quantize_nf4: weight has non-finite values (first at flat index {first})")
-    if scaled.numel() % 2:
-        scaled = F.pad(scaled, (0, 1))  # pad value 0.0 -> code of 0.0, as bitsandbytes does
-    q = _nearest(scaled, NF4_CODE)  # (n_even,)
-    codes = (q[0::2] << 4) | q[1::2]
-    return codes, absmax
-
-
-def dequantize_nf4(
-    codes: torch.Tensor,
-    absmax: torch.Tensor,
-    shape: tuple[int, ...] | torch.Size,
-    dtype: torch.dtype = torch.float32,
-    blocksize: int = 64,
-) -> torch.Tensor:
-    """Pure-PyTorch inverse of :func:`quantize_nf4`: ``NF4[code] * absmax`` in fp32, cast to ``dtype``."""
-    _check_blocksize(blocksize)
-    n = 1
-    for s in shape:
-        n *= int(s)
-    nb = -(-n // blocksize)
-    if codes.numel() != (n + 1) // 2 or absmax.numel() != nb:
-        raise ValueError(
-            f"dequantize_nf4: shape {tuple(shape)} with blocksize {blocksize} needs {(n + 1) // 2} code bytes "
-            f"and {nb} absmax values, got {codes.numel()} and {absmax.numel()}"
-        )
-    # one gather per byte from a 256 x 2 table (high nibble first): no per-element int64 index
-    pairs = _nf4_pair_table(codes.device)  # (256, 2)
-    vals = pairs.index_select(0, codes.reshape(-1).int()).reshape(-1)  # (2 * bytes,)
-    vals = F.pad(vals, (0, nb * blocksize - vals.numel())) if vals.numel() < nb * blocksize else vals
-    vals = vals[: nb * blocksize].view(nb, blocksize) * absmax.float().view(-1, 1)
-    return vals.reshape(-1)[:n].view(*shape).to(dtype)
-
-
-@torch.no_grad()
-def quantize_blockwise_8bit(x: torch.Tensor, blocksize: int = _ABSMAX_BLOCKSIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """8-bit blockwise quantization to the nearest value of the dynamic map.
-
-    Returns ``q`` uint8 [n] and ``absmax`` fp32 [ceil(n / blocksize)] (bitsandbytes'
-    ``quantize_blockwise`` layout; see the module docstring for the rounding note).
-    """
-    scaled, absmax = _blockwise_scale(x.reshape(-1).float(), blocksize)
-    return _nearest(scaled, dynamic_map()), absmax
-
-
-def dequantize_blockwise_8bit(
-    q: torch.Tensor, absmax: torch.Tensor, blocksize: int = _ABSMAX_BLOCKSIZE, code: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Inverse of :func:`quantize_blockwise_8bit`: ``code[q] * absmax`` fp32 [n] (default code: the dynamic map)."""
-    n = q.numel()
-    nb = -(-n // blocksize)
-    code = dynamic_map() if code is None else code
-    vals = code.to(q.device, torch.float32)[q.reshape(-1).long()]
-    vals = F.pad(vals, (0, nb * blocksize - n)).view(nb, blocksize) * absmax.float().view(-1, 1)
-    return vals.reshape(-1)[:n]
-
-
-@torch.no_grad()
-def double_quantize_absmax(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """QLoRA double quantization: ``(q uint8 [nb], absmax2 fp32 [ceil(nb / 256)], offset fp32 [1])``."""
-    offset = absmax.float().mean()
-    q, absmax2 = quantize_blockwise_8bit(absmax.float() - offset)
-    return q, absmax2, offset.view(1)
-
-
-def dequantize_absmax(
-    q: torch.Tensor, absmax2: torch.Tensor, offset: torch.Tensor, code: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Inverse of :func:`double_quantize_absmax`, fp32 [nb]."""
-    return dequantize_blockwise_8bit(q, absmax2, code=code) + offset.float().reshape(())
 
 
 def nf4_backend(device: torch.device) -> str:
@@ -265,7 +117,7 @@ def _dequantize_bnb(layer: NF4Linear, dtype: torch.dtype) -> torch.Tensor:
     if layer.double_quant:
         state2 = bnbf.QuantState(
             absmax=_f32(layer.absmax2), code=_f32(layer.absmax_code),
-            blocksize=_ABSMAX_BLOCKSIZE, dtype=torch.float32,
+            blocksize=ABSMAX_BLOCKSIZE, dtype=torch.float32,
         )
         state = bnbf.QuantState(
             absmax=layer.absmax, shape=torch.Size(shape), dtype=dtype, blocksize=layer.blocksize,
@@ -317,7 +169,7 @@ class NF4Linear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        _check_blocksize(blocksize)
+        check_blocksize(blocksize)
         self.in_features, self.out_features = in_features, out_features
         self.blocksize, self.double_quant, self.compute_dtype = blocksize, double_quant, compute_dtype
         n = in_features * out_features
@@ -326,7 +178,7 @@ class NF4Linear(nn.Module):
         self.codes = frozen(torch.full(((n + 1) // 2,), 0x77, dtype=torch.uint8, device=device))
         if double_quant:
             self.absmax = frozen(torch.zeros(nb, dtype=torch.uint8, device=device))
-            self.absmax2 = frozen(torch.zeros(-(-nb // _ABSMAX_BLOCKSIZE), dtype=torch.int32, device=device))
+            self.absmax2 = frozen(torch.zeros(-(-nb // ABSMAX_BLOCKSIZE), dtype=torch.int32, device=device))
             self.offset = frozen(torch.zeros(1, dtype=torch.int32, device=device))
             self.absmax_code = frozen(_bits(dynamic_map()).to(device))
         else:
@@ -364,7 +216,7 @@ class NF4Linear(nn.Module):
         layer.codes.data = packed.reshape(-1).view(torch.uint8).clone()
         layer.absmax.data = quant_state.absmax.clone() if nested else _bits(quant_state.absmax)
         if nested:
-            if quant_state.state2.blocksize != _ABSMAX_BLOCKSIZE:
+            if quant_state.state2.blocksize != ABSMAX_BLOCKSIZE:
                 raise ValueError(f"from_bnb: nested absmax blocksize {quant_state.state2.blocksize}, expected 256")
             layer.absmax2.data = _bits(quant_state.state2.absmax)
             layer.offset.data = _bits(quant_state.offset.reshape(1))

@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlib.kernels import augment_dispatch as K
+from ftlib.kernels import augment as K
 from ftlib.kernels import augment_ref as R
-from ftlib.kernels.augment_dispatch import augment_tokens
+from ftlib.kernels.augment import augment_tokens
 from ftlib.kernels.augment_ref import (
     MAX_TAG,
     PROTECTED_TAG,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ftlib.kernels import attention, attention_backend, attention_ref, attention_sdpa
-from ftlib.kernels.dispatch import _choose
+from ftlib.kernels.attention import _choose
 
 HAVE_FLASH = importlib.util.find_spec("flash_attn") is not None
 

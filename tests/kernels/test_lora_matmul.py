@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ftlib.kernels import lora_backend, lora_matmul
-from ftlib.kernels.lora_matmul import _choose
+from ftlib.kernels.lora import _choose
 from ftlib.kernels.lora_ref import (
     dropout_mask_ref,
     dropout_threshold,
@@ -131,6 +131,9 @@ CASES = [
     ((37, 45, 29, 1), torch.float16, False, 0.0, False),
     ((21, 70, 40, 5), torch.float16, True, 0.0, True),
     ((21, 70, 40, 5), torch.float16, False, 0.5, True),
+    # few tokens: the down pass splits K (3 splits of 32) and the v pass N (2 of 64), partials summed
+    ((5, 96, 70, 3), torch.float32, False, 0.1, False),
+    ((5, 96, 70, 3), torch.float32, True, 0.1, True),
 ]
 
 
@@ -138,6 +141,24 @@ CASES = [
 def test_matches_float64_reference(shape, dtype, bias, p, dora):
     _compare(_problem(shape, dtype, bias=bias, dora=dora, seed=len(shape) + int(10 * p)), dtype,
              dropout_p=p, seed=1234567, offset=3 * 2**40)
+
+
+def test_kernel_nf4_constants_are_the_nf4_table():
+    # the kernels look NF4 codes up in 16 compile-time constants; they must be nf4_ref's table bit for bit
+    from ftlib.kernels import _lora_kernels
+    from ftlib.kernels.nf4_ref import NF4_CODE
+
+    consts = torch.tensor([getattr(_lora_kernels, f"_NF4_{i}").value for i in range(16)], dtype=torch.float32)
+    assert torch.equal(consts, NF4_CODE)
+
+
+def test_autotune_keys_hold_the_token_bucket():
+    # the tuned configuration follows the token count in powers of two, not the first call's M
+    from ftlib.kernels import lora_triton
+
+    for kind, keys in lora_triton._KEYS.items():
+        assert "M_BUCKET" in keys and "M_BUCKET" in lora_triton.KERNELS[kind].arg_names, kind
+    assert [lora_triton._pow2(m) for m in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
 
 
 @pytest.mark.parametrize("grads", [(False, True, True, True), (True, False, False, True), (False, False, False, True)])
@@ -392,6 +413,19 @@ def test_env_var(monkeypatch):
 def test_gpu_matches_float64_reference(dtype, dora, p, nf4):
     prob = _problem((1000, 1536, 1040, 16), dtype, bias=True, dora=dora, nf4=nf4, seed=11, device="cuda")
     _compare(prob, dtype, dropout_p=p, seed=5, offset=2**35)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,nf4,p", [
+    ((1000, 1536, 1040, 16), (32, True), 0.0),  # tiles wider than the block: one absmax per block
+    ((1000, 1536, 1040, 16), (256, True), 0.1),  # tiles narrower than the block: one absmax per row
+    ((513, 1000, 777, 16), (64, True), 0.1),  # K not a multiple of the block: per-element gathers
+    ((8, 4096, 1024, 16), (64, True), 0.0),  # 8 tokens: the down / v passes split K / N
+])
+def test_gpu_nf4_blocks_and_odd_k(shape, nf4, p):
+    # QLoRA without bitsandbytes: every NF4 code path of the kernels, natively in bf16
+    prob = _problem(shape, torch.bfloat16, bias=False, dora=False, nf4=nf4, seed=13, device="cuda")
+    _compare(prob, torch.bfloat16, dropout_p=p, seed=9)
 
 
 @pytest.mark.gpu
