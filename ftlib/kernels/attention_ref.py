@@ -30,10 +30,10 @@ import math
 
 import torch
 
-__all__ = ["attention_ref"]
+__all__ = ["attention_ref", "check_attention_inputs"]
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> None:
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> None:
     want = 4 if dense else 3
     layout = "[B, T, H, D]" if dense else "[N, H, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -99,7 +99,7 @@ def attention_ref(
     lse is float32/float64 [B, Hq, Tq] (dense) or [Hq, N] (varlen).
     """
     dense = q.dim() == 4
-    _check(q, k, v, dense)
+    check_attention_inputs(q, k, v, dense)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if dense:
         if cu_seqlens is not None:

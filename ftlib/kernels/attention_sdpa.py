@@ -34,7 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .attention_ref import _check
+from .attention_ref import check_attention_inputs
 
 __all__ = ["attention_sdpa"]
 
@@ -189,7 +189,7 @@ def attention_sdpa(
     ``cu_seqlens``).
     """
     dense = q.dim() == 4
-    _check(q, k, v, dense)
+    check_attention_inputs(q, k, v, dense)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if dense:
         if cu_seqlens is not None:

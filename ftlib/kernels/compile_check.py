@@ -223,13 +223,13 @@ def _lora_cases(target, full):
             meta, ptr = _lora_meta(kind, dtype, s)
             configs = lt.tile_configs(kind, meta, limit, TARGETS[target][0])
             fit = {id(c) for c, _ in configs}
-            allc = [(c, None) for c in lt._CONFIGS[kind] if id(c) not in fit] if full else []
+            allc = [(c, None) for c in lt.CONFIGS[kind] if id(c) not in fit] if full else []
             for i, (c, est) in enumerate(list(configs) if full else configs[:1]):
                 out.append(Case(f"lora.{kind}", variant, _cfg_text(c, _LORA_BLOCKS[kind]), target, "ftlib.kernels.lora_triton",
                                 kind, ptr, _LORA_FLOATS, dict(meta, **c.kwargs), c.num_warps, c.num_stages, est,
                                 i == 0, aligned=not s.get("unaligned")))
             for c, _ in allc:  # pruned by the launcher on this target: compiled for the report only
-                est = lt._estimate(kind, c, meta)[0]
+                est = lt.estimate_resources(kind, c, meta)[0]
                 out.append(Case(f"lora.{kind}", variant, _cfg_text(c, _LORA_BLOCKS[kind]) + " (pruned)", target,
                                 "ftlib.kernels.lora_triton", kind, ptr, _LORA_FLOATS, dict(meta, **c.kwargs),
                                 c.num_warps, c.num_stages, est, False, aligned=not s.get("unaligned")))

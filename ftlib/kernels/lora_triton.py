@@ -29,7 +29,8 @@ from . import _lora_kernels as _k
 from .dora_ref import dora_row_norm, row_sq_norm
 from .lora_ref import check_lora_args, is_nf4, lora_matmul_ref, rng_words
 
-__all__ = ["KERNELS", "MAX_RANK", "base_matmul_triton", "dropout_mask_triton", "lora_matmul_triton", "tile_configs"]
+__all__ = ["CONFIGS", "KERNELS", "MAX_RANK", "base_matmul_triton", "dropout_mask_triton", "estimate_resources",
+           "lora_matmul_triton", "tile_configs"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -56,7 +57,7 @@ MAX_RANK = 256  # the skinny kernels keep a whole [tile, R] accumulator in regis
 # Skinny passes (down: u over K; v over N; dB, dA over a token split): memory-bound streams with
 # an accumulator [tile, R] (R padded to a power of two >= 16) held in registers.
 # Known spills of defaults (benchmarks/results/compile.csv, left for now): rank 256's down pass
-# everywhere (see _estimate); sm_89 (101 KiB) takes tiles
+# everywhere (see estimate_resources); sm_89 (101 KiB) takes tiles
 # that spill up to 64 B and, for ranks > 16, the 128 x 128 x 32 GEMM tile misses its
 # shared-memory limit (the estimate does not count the rank-64 epilogue there: to be fixed).
 # Configurations whose shared memory (estimated below) exceeds the device's, or whose tiles held in
@@ -138,7 +139,7 @@ _SKINNY_BLOCKS = {"down": ("BLOCK_M", "BLOCK_K"), "v": ("BLOCK_M", "BLOCK_N"),
                   "db": ("BLOCK_N", "BLOCK_M"), "da": ("BLOCK_K", "BLOCK_M")}
 
 
-def _estimate(kind, c, kwargs) -> tuple[int, int]:
+def estimate_resources(kind, c, kwargs) -> tuple[int, int]:
     """(shared memory bytes, 32-bit register words per thread the big tiles take) of config ``c``.
 
     Calibrated against the compiled kernels (``ftlib.kernels.compile_check``; the table is
@@ -209,10 +210,10 @@ def tile_configs(kind: str, meta: dict, smem_limit: int, arch: int = 90) -> list
     (``ftlib.kernels.compile_check``) compiles each for real targets and holds the estimate to be
     no smaller than the compiled figure.
     """
-    configs = _CONFIGS[kind]
+    configs = CONFIGS[kind]
     kept = []
     for c in configs:
-        smem, acc = _estimate(kind, c, meta)
+        smem, acc = estimate_resources(kind, c, meta)
         if smem <= smem_limit and acc <= _word_limit(kind, meta, arch):
             kept.append((c, smem))
     if kind in ("fwd", "dx") and meta["NF4"] and meta["NF4_K_ALIGNED"]:
@@ -221,8 +222,8 @@ def tile_configs(kind: str, meta: dict, smem_limit: int, arch: int = 90) -> list
         aligned = [(c, s) for c, s in kept if nb % c.kwargs["BLOCK_K"] == 0 or c.kwargs["BLOCK_K"] % nb == 0]
         kept = aligned or kept
     if not kept:
-        c = min(configs, key=lambda c: _estimate(kind, c, meta))
-        kept = [(c, _estimate(kind, c, meta)[0])]
+        c = min(configs, key=lambda c: estimate_resources(kind, c, meta))
+        kept = [(c, estimate_resources(kind, c, meta)[0])]
     return kept
 
 
@@ -254,7 +255,7 @@ def _autotune(configs, kind):
     return triton.autotune(configs=configs, key=_KEYS[kind], prune_configs_by={"early_config_prune": _prune(kind)})
 
 
-_CONFIGS = {"fwd": _FWD_CONFIGS, "down": _DOWN_CONFIGS, "v": _V_CONFIGS, "db": _DB_CONFIGS, "dx": _DX_CONFIGS,
+CONFIGS = {"fwd": _FWD_CONFIGS, "down": _DOWN_CONFIGS, "v": _V_CONFIGS, "db": _DB_CONFIGS, "dx": _DX_CONFIGS,
             "da": _DA_CONFIGS}
 # pass name -> the @triton.jit kernel (unwrapped), for the compile check
 KERNELS = {"fwd": _k._fwd_kernel, "down": _k._down_kernel, "v": _k._bwd_v_kernel, "db": _k._bwd_db_kernel,

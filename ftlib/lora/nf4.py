@@ -65,8 +65,8 @@ from ftlib.kernels.nf4_ref import (
 )
 
 __all__ = [
-    "NF4_CODE",
     "NF4Linear",
+    "NF4_CODE",
     "dequantize_absmax",
     "dequantize_blockwise_8bit",
     "dequantize_nf4",
