@@ -144,8 +144,9 @@ def test_dpo_cli_refuses_in_one_line_and_lenient_skips(tmp_path, monkeypatch):
     import dpo
 
     n = torch.get_num_threads()
-    try:
-        _, res = dpo.main(argv + ["--chat-template", "chatml", "--lenient"])
+    try:  # the held-out pairs (the same file) every step, mirrored to TensorBoard
+        _, res = dpo.main(argv + ["--chat-template", "chatml", "--lenient", "--eval-data", str(data), "--eval-every",
+                                  "1", "--eval-generate", "0", "--report-to", "tensorboard"])
     finally:
         torch.set_num_threads(n)
         for name in ("dpo", "_demo_assets"):
@@ -157,3 +158,10 @@ def test_dpo_cli_refuses_in_one_line_and_lenient_skips(tmp_path, monkeypatch):
     assert saved["chat_template"] == BUILTIN_TEMPLATES["chatml"]
     run = json.loads((tmp_path / "o" / "run.json").read_text())
     assert run["chat_template"]["source"] == "built-in 'chatml'" and run["args"]["kind"] == "chat"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "o" / "tb"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("train/loss")] == [1, 2]
+    evals = [k for k in tb.Tags()["scalars"] if k.startswith("eval/")]
+    assert evals and all([e.step for e in tb.Scalars(k)] == [1, 2] for k in evals), tb.Tags()["scalars"]

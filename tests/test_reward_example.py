@@ -243,7 +243,8 @@ def test_cli_refuses_no_template_and_bad_records_in_one_line_and_lenient_skips(t
     rm = _import_reward_model(monkeypatch)
     n = torch.get_num_threads()
     try:
-        _, m = rm.main(argv + ["--chat-template", "chatml", "--lenient"])
+        _, m = rm.main(argv + ["--chat-template", "chatml", "--lenient", "--eval-data", str(data), "--eval-every", "1",
+                               "--log-every", "1", "--report-to", "tensorboard"])
     finally:
         torch.set_num_threads(n)
         sys.modules.pop("reward_model", None)
@@ -254,3 +255,11 @@ def test_cli_refuses_no_template_and_bad_records_in_one_line_and_lenient_skips(t
     assert saved["chat_template"] == BUILTIN_TEMPLATES["chatml"]
     run = json.loads((tmp_path / "o" / "run.json").read_text())
     assert run["chat_template"]["source"] == "built-in 'chatml'" and run["args"]["lenient"] is True
+    assert [e["step"] for e in m["evals"]] == [0, 1, 2]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "o" / "tb"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("train/loss")] == [1, 2]
+    assert [e.step for e in tb.Scalars("eval/eval_accuracy")] == [0, 1, 2]
+    assert [e.value for e in tb.Scalars("eval/eval_loss")] == pytest.approx([e["eval_loss"] for e in m["evals"]])
