@@ -151,6 +151,9 @@ def build_parser() -> FlagParser:
     add_eval_flags(p)
     add_output_flags(p)
     p.set_defaults(warmup_ratio=0.1, log_every=10)
+    for a in p._actions:  # here held-out evals during training are off unless asked for (before/after: always)
+        if a.dest == "eval_every":
+            a.help = "steps between held-out evals during training (default: off; before and after always run)"
     g = p.add_argument_group("preference optimization")
     g.add_argument("--sft-adapter", help="PEFT adapter merged into the base first (the SFT model = the reference)")
     g.add_argument("--max-length", type=int, default=None, help="prompt + one response, in tokens (1024; demo 64)")
