@@ -31,6 +31,14 @@ A real run on one GPU (pairs in JSONL with "prompt"/"messages", "chosen", "rejec
 Killed? The same command with ``--resume`` continues from the newest good checkpoint, bit for bit; a
 changed setting is refused (named old -> new) unless ``--override name,...`` takes the new value.
 
+The flags are the ones every ftlib training script shares (``ftlib.train.cli``): ``--kind chat|text``
+(``--format`` is the old name), ``--chat-template`` (default: the tokenizer's; none is refused, no
+silent ChatML; the template used is written into ``adapter/``, the checkpoints and ``merged/`` and
+recorded in ``run.json``), ``--lenient`` (bad pairs skipped, counted, saved in ``skipped.json``),
+``--config``, ``--threads``, ``--eval-every`` (held-out DPO metrics every N steps), ``--report-to``.
+User errors are one line naming the flag (exit 2); shared flags this script does not implement
+(``--eval-split``, ``--early-stop``, ``--sample-every``, ``--compile``) are refused.
+
 ``--demo`` builds the tiny demo model, tokenizer and data (no download), fine-tunes it briefly on the
 word-reversal chat data (``finetune_lora.py``, run as a separate process; it stops while held-out exact
 match is well below 100 %), merges that adapter, then builds **on-policy pairs** (``ftlib.onpolicy``):
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -59,6 +68,7 @@ import ftlib
 from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
 from ftlib.data import (
+    DataError,
     MarginFilter,
     PairConfig,
     PairFormatter,
@@ -68,6 +78,8 @@ from ftlib.data import (
     iter_records,
     render_chat,
 )
+from ftlib.data.cli import FlagError, FlagParser, data_error_message
+from ftlib.data.templates import resolve_chat_template
 from ftlib.distributed import init_distributed, wrap_ddp
 from ftlib.evaluation import exact_match as greedy_exact_match
 from ftlib.lora import LoRAConfig, apply_lora, count_params, load_adapter, merge_and_unload, save_adapter
@@ -86,7 +98,17 @@ from ftlib.preference import (
 )
 from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
 from ftlib.train import (
+    LOGGERS,
     ResumeError,
+    add_data_flags,
+    add_eval_flags,
+    add_loop_flags,
+    add_model_flags,
+    add_output_flags,
+    copy_tokenizer_files,
+    cpu_threads,
+    open_loggers,
+    parse_with_config,
     plan_steps,
     resume_train_state,
     run_extra,
@@ -97,14 +119,15 @@ from ftlib.train import (
 
 # What a resume compares with the checkpoint's run (ftlib.train.resume): a change is refused unless
 # --override names it; FIXED ones cannot be overridden. batch_size x grad_accum x ranks: the global batch.
-SETTINGS = ("model", "sft_adapter", "format", "chat_template", "max_length", "max_prompt_length", "seq_len",
+SETTINGS = ("model", "sft_adapter", "kind", "chat_template", "max_length", "max_prompt_length", "seq_len",
             "batch_size", "grad_accum", "epochs", "max_steps", "lr", "lora_plus", "weight_decay", "warmup_ratio",
             "schedule", "clip", "loss", "beta", "label_smoothing", "gamma", "length_normalize", "rpo_alpha",
-            "dpop_lambda", "reference",
+            "dpop_lambda", "reference", "lenient", "messages_field", "prompt_field", "system_field", "turn_end",
             "margin_filter", "filter_start", "filter_decay", "filter_every", "filter_floor", "lora_r", "lora_alpha",
             "lora_dropout", "targets", "rslora", "dora", "qlora", "seed")
-FIXED = ("model", "sft_adapter", "format", "chat_template", "max_length", "max_prompt_length", "seq_len", "lora_r",
-         "lora_alpha", "targets", "rslora", "dora", "seed", "precision", "reference", "data_fingerprint")
+FIXED = ("model", "sft_adapter", "kind", "chat_template", "max_length", "max_prompt_length", "seq_len", "lora_r",
+         "lora_alpha", "targets", "rslora", "dora", "seed", "precision", "reference", "data_fingerprint",
+         "messages_field", "prompt_field", "system_field", "turn_end")
 
 DEFAULTS = {"max_length": 1024, "batch_size": 2, "grad_accum": 8, "epochs": 1, "lr": 5e-6, "beta": 0.1,
             "rpo_alpha": None}
@@ -114,89 +137,113 @@ DEMO_SFT_STEPS = 125  # the demo SFT adapter (r 64, alpha 256): the answer forma
 # exact match about 0.5; at 150+ steps it nears 1 and DPO has little left to fix)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="HF model folder or hub repo id")
-    p.add_argument("--data", nargs="+", help="preference pairs: JSONL/Parquet files, folders or tar shards")
-    p.add_argument("--eval-data", nargs="+", help="held-out pairs (reward accuracy, margin, exact match)")
-    p.add_argument("--format", choices=["chat", "text"], default="chat",
-                   help="chat: rendered with the chat template; text: prompt + response strings")
-    p.add_argument("--chat-template", help="Jinja text or a built-in name (chatml, llama3); default: the tokenizer's")
-    p.add_argument("--sft-adapter", help="PEFT adapter merged into the base first (the SFT model = the reference)")
-    p.add_argument("--out", required=True, help="output folder (caches, adapter, logs)")
-    p.add_argument("--max-length", type=int, default=None, help="prompt + one response, in tokens (1024; demo 64)")
-    p.add_argument("--max-prompt-length", type=int, default=None, help="cap on the prompt (default: none)")
-    p.add_argument("--seq-len", type=int, default=None, help="packed row length (default 2 x --max-length)")
-    p.add_argument("--batch-size", type=int, default=None, help="packed rows per micro-batch per rank (2; demo 4)")
-    p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per optimizer step (8; demo 1)")
-    p.add_argument("--epochs", type=int, default=None, help="passes over the pairs (1; demo 1)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (5e-6; demo 1e-3)")
-    p.add_argument("--lora-plus", type=float, default=None, help="LoRA+ ratio: lr of B = ratio * lr")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup-ratio", type=float, default=0.1)
-    p.add_argument("--schedule", choices=["cosine", "linear", "constant", "plateau"], default="cosine")
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm bound")
-    p.add_argument("--loss", choices=LOSS_KINDS, default="sigmoid")
-    p.add_argument("--beta", type=float, default=None,
+# shared flags (ftlib.train.cli) this script does not implement: refused when set (value: their unset default)
+NOT_HERE = {"eval_split": 0.0, "early_stop": 0, "sample_every": 0, "compile": False, "text_field": "text",
+            "response_field": "response", "loss_on": "assistant"}
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser(description=__doc__.split("\n")[0])
+    # the flags every ftlib script shares (ftlib.train.cli); pairs are chat or text records
+    add_model_flags(p)
+    add_data_flags(p, kinds=("chat", "text"))
+    add_loop_flags(p)
+    add_eval_flags(p)
+    add_output_flags(p)
+    p.set_defaults(warmup_ratio=0.1, log_every=10)
+    for a in p._actions:  # here held-out evals during training are off unless asked for (before/after: always)
+        if a.dest == "eval_every":
+            a.help = "steps between held-out evals during training (default: off; before and after always run)"
+    g = p.add_argument_group("preference optimization")
+    g.add_argument("--sft-adapter", help="PEFT adapter merged into the base first (the SFT model = the reference)")
+    g.add_argument("--max-length", type=int, default=None, help="prompt + one response, in tokens (1024; demo 64)")
+    g.add_argument("--max-prompt-length", type=int, default=None, help="cap on the prompt (default: none)")
+    g.add_argument("--seq-len", type=int, default=None, help="packed row length (default 2 x --max-length)")
+    g.add_argument("--lora-plus", type=float, default=None, help="LoRA+ ratio: lr of B = ratio * lr")
+    g.add_argument("--loss", choices=LOSS_KINDS, default="sigmoid")
+    g.add_argument("--beta", type=float, default=None,
                    help="beta (0.1; demo 0.5); for orpo the weight lambda of the odds term")
-    p.add_argument("--label-smoothing", type=float, default=0.0, help="sigmoid/simpo: conservative DPO; robust: noise rate")
-    p.add_argument("--gamma", type=float, default=0.5, help="SimPO target margin")
-    p.add_argument("--length-normalize", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--label-smoothing", type=float, default=0.0, help="sigmoid/simpo: conservative DPO; robust: noise rate")
+    g.add_argument("--gamma", type=float, default=0.5, help="SimPO target margin")
+    g.add_argument("--length-normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="mean instead of summed response log-probs (default: per loss; always for simpo/orpo)")
-    p.add_argument("--rpo-alpha", type=float, default=None,
+    g.add_argument("--rpo-alpha", type=float, default=None,
                    help="RPO: add alpha x the chosen response's NLL per token (TRL's rpo_alpha; default off; demo 1)")
-    p.add_argument("--dpop-lambda", type=float, default=0.0,
+    g.add_argument("--dpop-lambda", type=float, default=0.0,
                    help="DPOP: lambda x max(0, ref - policy chosen log-prob) subtracted from the margin (0: off)")
-    p.add_argument("--displacement-window", type=int, default=50,
+    g.add_argument("--displacement-window", type=int, default=50,
                    help="steps over which falling chosen log-probs with a growing margin raise a warning")
-    p.add_argument("--reference", choices=["precompute", "adapters-off"], default="precompute",
+    g.add_argument("--reference", choices=["precompute", "adapters-off"], default="precompute",
                    help="precompute: reference log-probs once into the pair cache; adapters-off: a no-grad pass per step")
-    p.add_argument("--margin-filter", action="store_true",
+    g.add_argument("--margin-filter", action="store_true",
                    help="keep pairs whose z-scored reward margin exceeds a decaying threshold (needs rewards)")
-    p.add_argument("--filter-start", type=float, default=0.3)
-    p.add_argument("--filter-decay", type=float, default=0.95)
-    p.add_argument("--filter-every", type=int, default=100, help="optimizer steps between threshold decays")
-    p.add_argument("--filter-floor", type=float, default=0.05)
-    p.add_argument("--eval-generate", type=int, default=64, help="held-out prompts to generate for exact match (0: off)")
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=32.0)
-    p.add_argument("--lora-dropout", type=float, default=0.0,
+    g.add_argument("--filter-start", type=float, default=0.3)
+    g.add_argument("--filter-decay", type=float, default=0.95)
+    g.add_argument("--filter-every", type=int, default=100, help="optimizer steps between threshold decays")
+    g.add_argument("--filter-floor", type=float, default=0.05)
+    g.add_argument("--eval-generate", type=int, default=64, help="held-out prompts to generate for exact match (0: off)")
+    g = p.add_argument_group("adapter")
+    g.add_argument("--lora-r", type=int, default=16)
+    g.add_argument("--lora-alpha", type=float, default=32.0)
+    g.add_argument("--lora-dropout", type=float, default=0.0,
                    help="default 0: dropout would make the policy log-probs noisy against the dropout-free reference")
-    p.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
-    p.add_argument("--rslora", action="store_true")
-    p.add_argument("--dora", action="store_true")
-    p.add_argument("--qlora", action="store_true", help="NF4 base weights (double-quantized absmax)")
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on every block")
-    p.add_argument("--num-proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="tokenizer processes")
-    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
-    p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
-    p.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --out")
-    p.add_argument("--override", default="",
-                   help="with --resume: comma-separated settings whose new values the resumed run takes (e.g. lr,beta)")
-    p.add_argument("--save-every", type=int, default=None,
-                   help="steps between checkpoints (default: 10%% of the run; 0: only the final one)")
-    p.add_argument("--keep", type=int, default=3, help="newest checkpoints kept")
-    p.add_argument("--save-merged", action="store_true", help="also write a merged bf16 HF checkpoint")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--demo", action="store_true", help="tiny model + pairs built on the fly, SFT first")
-    p.add_argument("--demo-prompts", type=int, default=600,
+    g.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
+    g.add_argument("--rslora", action="store_true")
+    g.add_argument("--dora", action="store_true")
+    g.add_argument("--qlora", action="store_true", help="NF4 base weights (double-quantized absmax)")
+    g.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on every block")
+    g = p.add_argument_group("this script")
+    g.add_argument("--save-merged", action="store_true", help="also write a merged bf16 HF checkpoint")
+    g.add_argument("--demo", action="store_true", help="tiny model + pairs built on the fly, SFT first")
+    g.add_argument("--demo-prompts", type=int, default=600,
                    help="--demo: SFT training prompts answered by the SFT model for on-policy pairs")
-    p.add_argument("--demo-samples", type=int, default=4, help="--demo: sampled answers per prompt (besides greedy)")
-    p.add_argument("--demo-sft-steps", type=int, default=DEMO_SFT_STEPS, help="--demo: SFT steps before DPO")
-    args = p.parse_args(argv)
+    g.add_argument("--demo-samples", type=int, default=4, help="--demo: sampled answers per prompt (besides greedy)")
+    g.add_argument("--demo-sft-steps", type=int, default=DEMO_SFT_STEPS, help="--demo: SFT steps before DPO")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = parse_with_config(p, argv)  # --config FILE under the flags
+    if not args.out:
+        p.error("--out is required (the run's folder)")
     for k, v in (DEMO_DEFAULTS if args.demo else DEFAULTS).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.seq_len = args.seq_len or 2 * args.max_length
     if not args.demo and (args.model is None or args.data is None):
         p.error("--model and --data are required (or use --demo)")
+    for k, unset in NOT_HERE.items():
+        if getattr(args, k) != unset:
+            p.error(f"--{k.replace('_', '-')} is not available in dpo.py")
+    for name in ("batch_size", "grad_accum", "epochs", "max_steps", "lora_r", "threads", "max_length", "seq_len",
+                 "num_proc"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("save_every", "eval_every", "eval_generate"):
+        if (getattr(args, name) or 0) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.eval_every and not args.eval_data:
+        p.error("--eval-every evaluates the held-out pairs: pass --eval-data FILE")
+    args.report_to = [s.strip() for s in args.report_to.split(",") if s.strip()] if isinstance(args.report_to, str) \
+        else list(args.report_to or [])
+    if args.tensorboard and "tensorboard" not in args.report_to:
+        args.report_to.append("tensorboard")
+    args.tensorboard = False
+    for name in args.report_to:
+        if name not in LOGGERS:
+            p.error(f"--report-to {name}: not one of {', '.join(LOGGERS)}")
+        if importlib.util.find_spec(name) is None:
+            p.error(f"--report-to {name} needs the {name} package: pip install {name} (or drop it)")
     args.override = [s.strip().replace("-", "_") for s in args.override.split(",") if s.strip()]
     if args.override and not args.resume:
         p.error("--override applies to --resume")
     return args
+
+
+def usage_error(msg: str):
+    """A user error found after parsing: one line on stderr, exit 2 (as argparse does)."""
+    build_parser().error(msg)
 
 
 def demo_setup(args, out: Path) -> None:
@@ -272,6 +319,13 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     log = print if rank == 0 else (lambda *a, **k: None)
+    if device.type == "cpu":  # the usable cores less the loader workers, at most 8 (ftlib.train.cpu_threads)
+        try:
+            args.threads = 1 if args.demo and args.threads is None else cpu_threads(args.threads,
+                                                                                    num_workers=args.num_workers)
+        except FlagError as e:
+            usage_error(str(e))
+        torch.set_num_threads(args.threads)
     if args.demo:
         if rank == 0:
             demo_setup(args, out)
@@ -287,7 +341,15 @@ def main(argv=None):
     if args.sft_adapter:
         model = merge_and_unload(load_adapter(model, args.sft_adapter, check_base=False), dtype=load_dtype)
         log(f"merged SFT adapter {args.sft_adapter}")
-    template = args.chat_template or tok.chat_template or "chatml"
+    # the chat template: --chat-template, else the tokenizer's; none is refused (no silent ChatML)
+    resolved = None
+    if args.kind == "chat":
+        try:
+            resolved = resolve_chat_template(args.chat_template, tokenizer=tok)
+        except (OSError, ValueError) as e:
+            usage_error(f"--chat-template: {e}" if args.chat_template else f"--kind chat: {e}")
+        log(f"chat template: {resolved.source}")
+    template = resolved.text if resolved is not None else None
     if args.demo:  # the training pairs come from this model's own answers
         if rank == 0:
             demo_onpolicy_pairs(model, tok, template, out, args, log)
@@ -310,23 +372,34 @@ def main(argv=None):
 
     # 3. pairs: tokenized once into a pair cache; both sides of a pair packed into the same row.
     # chat: the template writes BOS if the model wants one; text: BOS first when the tokenizer has one
-    pcfg = PairConfig(kind=args.format, chat_template=template if args.format == "chat" else None,
+    pcfg = PairConfig(kind=args.kind, chat_template=template, messages_field=args.messages_field,
+                      prompt_field=args.prompt_field, system_field=args.system_field, turn_end=args.turn_end,
                       eos_token=tok.eos_token, bos_token=tok.bos_token, max_length=args.max_length,
-                      add_bos=args.format == "text" and tok.bos_token is not None,
+                      add_bos=args.kind == "text" and tok.bos_token is not None,
                       max_prompt_length=args.max_prompt_length)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     caches = {}
     for split, src in (("train", args.data), ("eval", args.eval_data)):
         if not src:
             continue
-        if rank == 0:
-            build_pair_cache(src, tok.tokenizer, pcfg, str(out / f"cache_{split}"), num_proc=args.num_proc, progress=False)
-        if world > 1:
-            torch.distributed.barrier()
-        caches[split] = build_pair_cache(src, tok.tokenizer, pcfg, str(out / f"cache_{split}"), num_proc=1,
-                                         progress=False)
+        flag = "--data" if split == "train" else "--eval-data"
+        try:  # strict: the first bad record stops the run, naming it; --lenient: skipped and counted
+            if rank == 0:
+                build_pair_cache(src, tok.tokenizer, pcfg, str(out / f"cache_{split}"), num_proc=args.num_proc,
+                                 progress=False, strict=not args.lenient)
+            if world > 1:
+                torch.distributed.barrier()
+            caches[split] = build_pair_cache(src, tok.tokenizer, pcfg, str(out / f"cache_{split}"), num_proc=1,
+                                             progress=False, strict=not args.lenient)
+        except DataError as e:
+            usage_error(data_error_message(flag, e, args.lenient))
+        except (OSError, ValueError) as e:
+            usage_error(f"{flag}: {e}")
         c = caches[split]
         log(f"{split} pairs: {len(c)} ({c.n_truncated} truncated; {c.report})")
+    reports = {k: c.report for k, c in caches.items()}
+    if rank == 0 and any(r.total for r in reports.values()):  # every skip, where the run's other files are
+        (out / "skipped.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=1) + "\n")
 
     data_fp = hashlib.sha256(json.dumps({k: c.fingerprint() for k, c in caches.items()}, sort_keys=True).encode()).hexdigest()
     try:
@@ -334,7 +407,7 @@ def main(argv=None):
                                  length_normalize=args.length_normalize, rpo_alpha=args.rpo_alpha,
                                  dpop_lambda=args.dpop_lambda)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        usage_error(str(e))
     # 4. reference log-probs, once, into the caches (adapters disabled: the starting model exactly).
     ref_name = "start"
     if loss_fn.needs_reference and args.reference == "precompute":
@@ -350,7 +423,7 @@ def main(argv=None):
     mfilter = None
     if args.margin_filter:
         if not torch.isfinite(torch.from_numpy(caches["train"].effective_margin)).any():
-            raise SystemExit("--margin-filter needs reward_chosen/reward_rejected or margin in the pairs; none has them")
+            usage_error("--margin-filter needs reward_chosen/reward_rejected or margin in the pairs; none has them")
         mfilter = MarginFilter(args.filter_start, args.filter_decay, args.filter_every, args.filter_floor, pad_id=pad_id)
 
     train_model = PolicyLogps(model)
@@ -359,7 +432,7 @@ def main(argv=None):
     try:
         plan = plan_steps(len(loader), grad_accum=args.grad_accum, epochs=args.epochs, max_steps=args.max_steps)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        usage_error(f"{e}: more pairs, or a smaller --batch-size / --grad-accum")
     steps_per_epoch, total = plan.steps_per_epoch, plan.total
     warmup = resolve_warmup(total, warmup_ratio=args.warmup_ratio)
     if args.schedule == "plateau":
@@ -373,7 +446,8 @@ def main(argv=None):
     # the settings are compared with the saved run's. The margin filter's counts and the log so far
     # ride in the checkpoint's extra state.
     save_every = args.save_every if args.save_every is not None else max(1, total // 10)
-    settings = run_settings(vars(args), SETTINGS, out=out) | {"precision": precision, "data_fingerprint": data_fp}
+    settings = run_settings(vars(args), SETTINGS, out=out) | {"chat_template": template, "precision": precision,
+                                                              "data_fingerprint": data_fp}
     try:
         resumed = resume_train_state(out / "checkpoints", resume=args.resume, settings=settings,
                                      overrides=args.override, fixed=FIXED, plan=plan, seed=args.seed, log=log,
@@ -382,7 +456,12 @@ def main(argv=None):
         raise SystemExit(str(e)) from None
     step, extra = resumed.step, resumed.extra
     if rank == 0:
-        write_run_manifest(out, vars(args), device=device, world_size=world, data_fingerprint=data_fp, resume=resumed)
+        write_run_manifest(out, vars(args), device=device, world_size=world, data_fingerprint=data_fp, resume=resumed,
+                           extra={"chat_template": {"text": resolved.text, "source": resolved.source}
+                                  if resolved is not None else None,
+                                  "skipped": {k: r.to_dict() for k, r in reports.items()}})
+    loggers = open_loggers(args.report_to if rank == 0 else [], out=out, config=vars(args), start_step=step,
+                           run_name=out.name)
     tokens_seen, logs = extra.get("tokens_seen", 0), extra.get("logs", [])
     if mfilter is not None and "filter" in extra:
         mfilter.load_state_dict(extra["filter"])
@@ -440,6 +519,11 @@ def main(argv=None):
             if mfilter is not None:
                 rec["filter"] = dict(mfilter.counts, threshold=round(mfilter.threshold(step), 4))
             logs.append(rec)
+            loggers.log(rec)
+            if args.eval_every and rank == 0 and "eval" in caches and step % args.eval_every == 0:
+                ev = evaluate(model, caches["eval"], **eval_kw)
+                loggers.log({"step": step, "kind": "eval", **ev})
+                log(f"held-out at step {step}: " + _fmt(ev))
             if "logps/chosen" in rec and (msg := monitor.update(rec)):
                 log(f"WARNING step {step}: {msg}")
             if step % args.log_every == 0 or step == total:
@@ -454,8 +538,12 @@ def main(argv=None):
                           base_model_name_or_path=args.model, extra=extra)
             if step >= total:
                 break
+    loggers.close()
     if ckpt is not None:
         ckpt.close()  # waits for the last background write
+        for folder in sorted((out / "checkpoints").glob("step-*")):  # each adapter with the template it trained with
+            if folder.is_dir():
+                copy_tokenizer_files(args.model, folder, chat_template=template)
     if world > 1:
         torch.distributed.barrier()
 
@@ -467,11 +555,12 @@ def main(argv=None):
             after.update(exact_match(model, tok, args.eval_data, pcfg, template, device, args.eval_generate))
             log(results_table(before, after))
         adapter_dir = save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
+        copy_tokenizer_files(args.model, adapter_dir, chat_template=template)
         (out / "train_log.json").write_text(json.dumps({"log": logs, "eval_before": before, "eval_after": after},
                                                        indent=1))
         log(f"adapter saved to {adapter_dir}" + (" (on the SFT-merged base)" if args.sft_adapter else ""))
         if args.save_merged:
-            save_merged(model, out / "merged", tokenizer_from=args.model, dtype=torch.bfloat16)
+            save_merged(model, out / "merged", tokenizer_from=args.model, dtype=torch.bfloat16, chat_template=template)
             log(f"merged checkpoint saved to {out / 'merged'}")
     if world > 1:
         torch.distributed.destroy_process_group()

@@ -21,8 +21,20 @@ pipeline (``ftlib.data.pairs``: the same fields and conventions as ``dpo.py``; a
 error naming its file, line and field). The scored files keep every field
 and add ``"reward_chosen"`` and ``"reward_rejected"`` (floats): the input of the DPO margin filter.
 
-    python examples/reward_model.py --model meta-llama/Llama-3.2-1B-Instruct --pairs data/prefs/train.jsonl \\
-        --eval-pairs data/prefs/eval.jsonl --score-pairs data/prefs/train.jsonl --out runs/rm
+    python examples/reward_model.py --model meta-llama/Llama-3.2-1B-Instruct --data data/prefs/train.jsonl \\
+        --eval-data data/prefs/eval.jsonl --score-pairs data/prefs/train.jsonl --out runs/rm
+
+The flags are the ones every ftlib training script shares (``ftlib.train.cli``: ``--data``,
+``--eval-data``, ``--max-steps``, ``--batch-size`` (pairs per micro-batch), ``--grad-accum``,
+``--lenient``, ``--chat-template``, ``--config``, ...). The chat template comes from
+``--chat-template`` or the tokenizer; without either the run is refused (no silent ChatML). The
+template used is written into ``adapter/``, ``reward_model/`` and every checkpoint
+(``tokenizer_config.json``) and recorded in ``run.json``. ``--save-every`` writes a checkpoint
+(``ftlib.checkpoint``: weights, optimizer, schedule, clipper, the pair order, RNG) and
+``--resume`` continues from the newest good one: bitwise the same run on CPU. ``--eval-every``
+evaluates the held-out pairs (accuracy and Bradley-Terry loss, into ``metrics.json`` and the
+``--report-to`` loggers). ``--lenient`` skips bad records, counts them and saves the report in
+``skipped.json``.
 
 ``--demo`` builds a tiny model and tokenizer plus arithmetic preference pairs (the right sum chosen,
 a wrong one rejected; ``arithmetic_pairs``) and trains on them in a minute on a CPU. Its held-out pairs
@@ -44,7 +56,8 @@ a no-op on CPU) and ``--precision auto`` (bf16, or fp16 falling back to fp32 aft
 
 from __future__ import annotations
 
-import argparse
+import hashlib
+import importlib.util
 import json
 import random
 import time
@@ -54,8 +67,11 @@ from pathlib import Path
 import torch
 
 from ftlib._atomic import atomic_write
+from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
-from ftlib.data import PairConfig, SkipReport, iter_records, render_chat
+from ftlib.data import DataError, PairConfig, SkipReport, iter_records, render_chat
+from ftlib.data.cli import FlagError, FlagParser, data_error_message
+from ftlib.data.templates import resolve_chat_template
 from ftlib.lora import (
     LoRAConfig,
     RankDecay,
@@ -79,69 +95,170 @@ from ftlib.offload import offload_modules
 from ftlib.onpolicy import OnPolicyConfig, build_onpolicy_pairs, prompt_key, reward_model_scorer, write_pairs
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups, resolve_precision
 from ftlib.sched import CosineRestarts, LRScheduler, WarmupDecay, resolve_warmup
-from ftlib.train import copy_tokenizer_files
+from ftlib.train import (
+    LOGGERS,
+    ResumeError,
+    add_data_flags,
+    add_eval_flags,
+    add_loop_flags,
+    add_model_flags,
+    add_output_flags,
+    copy_tokenizer_files,
+    cpu_threads,
+    open_loggers,
+    parse_with_config,
+    resume_train_state,
+    run_extra,
+    run_settings,
+    write_run_manifest,
+)
 
-DEMO = {"steps": 200, "lr": 1e-3, "batch_pairs": 8}
+DEMO = {"max_steps": 200, "lr": 1e-3, "batch_size": 8}
+DEFAULTS = {"max_steps": 1000, "lr": 1e-4, "batch_size": 16}
+# What a resume compares with the checkpoint's run (ftlib.train.resume): a change is refused unless
+# --override names it; FIXED ones cannot be overridden (the saved state or the data depends on them).
+SETTINGS = ("model", "chat_template", "max_length", "batch_size", "grad_accum", "epochs", "max_steps", "lr",
+            "weight_decay", "warmup_ratio", "schedule", "restart_cycles", "clip", "margin_field", "lora_r",
+            "lora_alpha", "targets", "seed", "lenient", "messages_field", "prompt_field", "system_field", "turn_end")
+FIXED = ("model", "chat_template", "max_length", "lora_r", "lora_alpha", "targets", "seed", "precision",
+         "data_fingerprint", "messages_field", "prompt_field", "system_field", "turn_end", "margin_field")
+# shared flags this script does not implement: refused when set (value: their unset default)
+NOT_HERE = {"eval_split": 0.0, "early_stop": 0, "sample_every": 0, "compile": False}
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser(description=__doc__.split("\n")[0])
+    # the flags every ftlib script shares (ftlib.train.cli); pairs are chat records
+    add_model_flags(p, precisions=("auto", "bf16", "fp16", "fp32"),
+                    precision_help="default: auto on CUDA (bf16 where supported), fp32 on CPU")
+    add_data_flags(p, kinds=("chat",))
+    add_loop_flags(p, schedules=("cosine", "restarts"))
+    add_eval_flags(p)
+    add_output_flags(p)
+    p.set_defaults(warmup_ratio=0.05, log_every=25)
+    g = p.add_argument_group("this script")
+    g.add_argument("--score-pairs", nargs="*", default=None,
+                   help="pairs files to write again with rewards (default: --data and --eval-data)")
+    g.add_argument("--max-length", type=int, default=2048, help="longer documents are skipped and counted")
+    g.add_argument("--restart-cycles", type=int, default=2, help="--schedule restarts: equal cosine cycles")
+    g.add_argument("--decay-rank", type=int, default=None, help="shrink every LoRA rank to this at --decay-at")
+    g.add_argument("--decay-at", type=float, default=0.5, help="fraction of the steps at which ranks shrink")
+    g.add_argument("--offload-blocks", type=int, default=0, help="offload the activations of the last K blocks")
+    g.add_argument("--margin-field", default=None, help="record field holding a per-pair margin (Llama 2)")
+    g.add_argument("--lora-r", type=int, default=16)
+    g.add_argument("--lora-alpha", type=float, default=32.0)
+    g.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
+    g.add_argument("--fallback", choices=["bf16", "fp32"], default=None,
+                   help="with --precision fp16: switch to this after 10 overflow skips within 100 steps")
+    g.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on every block")
+    g.add_argument("--onpolicy-policy", default=None,
+                   help="causal LM (the SFT policy) whose answers to the training prompts, scored by the trained "
+                        "reward model, are written as pairs to <out>/onpolicy/pairs.jsonl")
+    g.add_argument("--demo", action="store_true", help="tiny model + arithmetic pairs built on the fly")
+    g.add_argument("--demo-prompts", type=int, default=24, help="demo prompts (each with several pairs)")
+    return p
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="HF model folder or hub repo id (causal LM or sequence classification)")
-    p.add_argument("--pairs", nargs="+", help="training pairs (JSONL)")
-    p.add_argument("--eval-pairs", nargs="*", default=[], help="held-out pairs for the accuracy (JSONL)")
-    p.add_argument("--score-pairs", nargs="*", default=None,
-                   help="pairs files to write again with rewards (default: --pairs and --eval-pairs)")
-    p.add_argument("--out", required=True, help="output folder (adapter, merged model, scored pairs, log)")
-    p.add_argument("--chat-template", help="Jinja text or a built-in name (chatml, llama3); default: the tokenizer's")
-    p.add_argument("--max-length", type=int, default=2048, help="longer documents are skipped and counted")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (1000; demo 200)")
-    p.add_argument("--batch-pairs", type=int, default=None, help="pairs per step (16; demo 8)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (1e-4; demo 1e-3)")
-    p.add_argument("--warmup-ratio", type=float, default=0.05)
-    p.add_argument("--schedule", choices=["cosine", "restarts"], default="cosine",
-                   help="restarts: cosine with warm restarts, --restart-cycles equal cycles")
-    p.add_argument("--restart-cycles", type=int, default=2)
-    p.add_argument("--decay-rank", type=int, default=None, help="shrink every LoRA rank to this at --decay-at")
-    p.add_argument("--decay-at", type=float, default=0.5, help="fraction of the steps at which ranks shrink")
-    p.add_argument("--offload-blocks", type=int, default=0, help="offload the activations of the last K blocks")
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--margin-field", default=None, help="record field holding a per-pair margin (Llama 2)")
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=32.0)
-    p.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
-    p.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default=None,
-                   help="default: auto on CUDA (bf16 where supported), fp32 on CPU")
-    p.add_argument("--fallback", choices=["bf16", "fp32"], default=None,
-                   help="with --precision fp16: switch to this after 10 overflow skips within 100 steps")
-    p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on every block")
-    p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--onpolicy-policy", default=None,
-                   help="causal LM (the SFT policy) whose answers to the training prompts, scored by the trained "
-                        "reward model, are written as pairs to <out>/onpolicy/pairs.jsonl")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--demo", action="store_true", help="tiny model + arithmetic pairs built on the fly")
-    p.add_argument("--demo-prompts", type=int, default=24, help="demo prompts (each with several pairs)")
-    args = p.parse_args(argv)
-    defaults = DEMO if args.demo else {"steps": 1000, "lr": 1e-4, "batch_pairs": 16}
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
+    p = build_parser()
+    args = parse_with_config(p, argv)  # --config FILE under the flags
+    if not args.out:
+        p.error("--out is required (the run's folder)")
+    for k, v in (DEMO if args.demo else DEFAULTS).items():
+        if getattr(args, k) is None and not (k == "max_steps" and args.epochs):
             setattr(args, k, v)
-    if not args.demo and (args.model is None or not args.pairs):
-        p.error("--model and --pairs are required (or use --demo)")
+    args.grad_accum = args.grad_accum or 1
+    if not args.demo and (args.model is None or not args.data):
+        p.error("--model and --data are required (or use --demo)")
+    for k, unset in NOT_HERE.items():
+        if getattr(args, k) != unset:
+            p.error(f"--{k.replace('_', '-')} is not available in reward_model.py (see finetune_lora.py)")
+    for name in ("batch_size", "grad_accum", "epochs", "max_steps", "lora_r", "threads", "max_length"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("save_every", "eval_every"):
+        if (getattr(args, name) or 0) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.resume and args.decay_rank is not None:
+        p.error("--resume with --decay-rank is not supported: the adapter's ranks change during the run, so a "
+                "checkpoint does not fit a fresh model; run without --decay-rank, or start again")
+    args.report_to = [s.strip() for s in args.report_to.split(",") if s.strip()] if isinstance(args.report_to, str) \
+        else list(args.report_to or [])
+    if args.tensorboard and "tensorboard" not in args.report_to:
+        args.report_to.append("tensorboard")
+    args.tensorboard = False
+    for name in args.report_to:
+        if name not in LOGGERS:
+            p.error(f"--report-to {name}: not one of {', '.join(LOGGERS)}")
+        if importlib.util.find_spec(name) is None:
+            p.error(f"--report-to {name} needs the {name} package: pip install {name} (or drop it)")
+    args.override = [s.strip().replace("-", "_") for s in args.override.split(",") if s.strip()]
+    if args.override and not args.resume:
+        p.error("--override applies to --resume")
     return args
 
 
-def read_pairs(path: str, tok, template: str, margin_field: str | None = None) -> list[tuple[dict, list, list]]:
+def usage_error(msg: str):
+    """A user error found after parsing: one line on stderr, exit 2 (as argparse does)."""
+    build_parser().error(msg)
+
+
+class PairSampler:
+    """Batches of pair indices: a shuffled pass over the pairs, reshuffled (by one ``random.Random``
+    stream) each time it is used up; a batch may span two passes. Its state (the order, the
+    position and the stream's state) goes into the checkpoints, so a resumed run draws the same
+    batches as one that was never interrupted."""
+
+    world_size, rank = 1, 0
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.batch_size = n, batch_size
+        self.rng = random.Random(seed)
+        self.order, self.pos, self.epoch, self.step = list(range(n)), n, -1, 0
+
+    def next(self) -> list[int]:
+        idx = []
+        while len(idx) < min(self.batch_size, self.n):
+            if self.pos == len(self.order):
+                self.rng.shuffle(self.order)
+                self.pos, self.epoch = 0, self.epoch + 1
+            idx.append(self.order[self.pos])
+            self.pos += 1
+        self.step += 1
+        return idx
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step": self.step, "batch_size": self.batch_size, "world_size": 1, "rank": 0,
+                "n": self.n, "order": list(self.order), "pos": self.pos, "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n"] != self.n:
+            raise ValueError(f"saved for {state['n']} training pairs, this run has {self.n}")
+        self.order, self.pos, self.epoch, self.step = list(state["order"]), state["pos"], state["epoch"], state["step"]
+        self.rng.setstate(state["rng"])
+
+
+def read_pairs(path: str, tok, template: str, margin_field: str | None = None, *, fields: dict | None = None,
+               report: SkipReport | None = None) -> list[tuple[dict, list, list]]:
     """[(record, prompt + chosen turns, prompt + rejected turns)] of a pairs file, read by the preference
     pipeline (``ftlib.data``: any source format, the pair conventions of ``ftlib.data.pairs``); a bad
-    record is an error naming the file, line and field."""
-    fmt = PairConfig(kind="chat", chat_template=template).formatter(tok.tokenizer)
-    report, out = SkipReport(strict=True), []
+    record is an error naming the file, line and field, or, with a lenient ``report``
+    (``SkipReport(strict=False)``, ``--lenient``), skipped and counted there. ``fields``: further
+    ``PairConfig`` fields (``messages_field``, ``prompt_field``, ``system_field``, ``turn_end``)."""
+    fmt = PairConfig(kind="chat", chat_template=template, **(fields or {})).formatter(tok.tokenizer)
+    report = report if report is not None else SkipReport(strict=True)
+    out = []
     for rec, where in iter_records(path, report):
-        prompt, chosen, rejected = fmt.conversation(rec, where, report)  # strict: a bad record raises
+        conv = fmt.conversation(rec, where, report)  # strict: a bad record raises; lenient: None, counted
+        if conv is None:
+            continue
+        prompt, chosen, rejected = conv
         if margin_field is not None and (isinstance(rec.get(margin_field), bool)
                                          or not isinstance(rec.get(margin_field), (int, float))):
-            raise ValueError(f"{where}: field {margin_field!r} must be a number (--margin-field)")
+            if report.strict:
+                raise ValueError(f"{where}: field {margin_field!r} must be a number (--margin-field)")
+            report.add("bad_field", where, f"field {margin_field!r} must be a number (--margin-field)")
+            continue
         out.append((rec, prompt + chosen, prompt + rejected))
     if not out:
         raise ValueError(f"{path}: no pairs")
@@ -219,6 +336,12 @@ def main(argv=None):
     precision, fallback = args.precision or ("auto" if device.type == "cuda" else "fp32"), args.fallback
     if precision == "auto":  # bf16 where the GPU has it, else fp16 falling back to fp32 on overflows
         precision, fallback = resolve_precision(device.type, args.fallback)
+    if device.type == "cpu":  # the usable cores, at most 8 (ftlib.train.cpu_threads); no loader workers here
+        try:
+            args.threads = cpu_threads(args.threads)
+        except FlagError as e:
+            usage_error(str(e))
+        torch.set_num_threads(args.threads)
 
     if args.demo:
         from _demo_assets import arithmetic_pairs, make_demo_assets  # examples/_demo_assets.py
@@ -229,7 +352,8 @@ def main(argv=None):
         for name, recs in zip(("train", "eval"), demo_split(arithmetic_pairs(4000, seed=1), args.demo_prompts, args.seed)):
             (pair_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         args.model = str(out / "demo" / "base")
-        args.pairs, args.eval_pairs = [str(pair_dir / "train.jsonl")], [str(pair_dir / "eval.jsonl")]
+        args.data, args.eval_data = [str(pair_dir / "train.jsonl")], [str(pair_dir / "eval.jsonl")]
+    args.eval_data = list(args.eval_data or [])
 
     # 1-2. reward model = decoder + scalar head; LoRA on the decoder, the head trained in full.
     model = load_reward_model(args.model, dtype=torch.bfloat16 if precision == "bf16" else torch.float32, device=device)
@@ -241,87 +365,167 @@ def main(argv=None):
                                  modules_to_save=["score"]), verbose=False)
     print(f"trainable parameters: {count_params(model)}")
 
-    # 3. data
-    template = args.chat_template or tok.chat_template or "chatml"
-    train_recs = [r for f in args.pairs for r in read_pairs(f, tok, template, args.margin_field)]
+    # 3. data: the chat template from --chat-template or the tokenizer (none: refused), pairs read strictly
+    # or, with --lenient, every bad record skipped and counted (the report printed and saved in --out)
+    try:
+        resolved = resolve_chat_template(args.chat_template, tokenizer=tok)
+    except (OSError, ValueError) as e:
+        usage_error(f"--chat-template: {e}" if args.chat_template else str(e))
+    template = resolved.text
+    print(f"chat template: {resolved.source}")
+    fields = {"messages_field": args.messages_field, "prompt_field": args.prompt_field,
+              "system_field": args.system_field, "turn_end": args.turn_end}
+    reports = {"train": SkipReport(strict=not args.lenient), "eval": SkipReport(strict=not args.lenient)}
+
+    def read(flag: str, f: str, report: SkipReport):
+        try:
+            return read_pairs(f, tok, template, args.margin_field, fields=fields, report=report)
+        except DataError as e:
+            usage_error(data_error_message(flag, e, args.lenient))
+        except (OSError, ValueError) as e:
+            usage_error(f"{flag}: {e}")
+
+    train_recs = [r for f in args.data for r in read("--data", f, reports["train"])]
     train, skipped = tokenize_pairs(train_recs, tok, template, args.max_length)
-    evals = {f: read_pairs(f, tok, template, args.margin_field) for f in args.eval_pairs}
+    evals = {f: read("--eval-data", f, reports["eval"]) for f in args.eval_data}
     eval_pairs = [p for f, recs in evals.items() for p in tokenize_pairs(recs, tok, template, args.max_length)[0]]
     print(f"data: {len(train)} training pairs ({len(skipped)} longer than {args.max_length} tokens skipped), "
           f"{len(eval_pairs)} held-out pairs")
+    for name, r in reports.items():
+        if r.total:
+            print(f"{'--data' if name == 'train' else '--eval-data'}: {r}")
+    if any(r.total for r in reports.values()):  # every skip, where the run's other files are
+        (out / "skipped.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=1) + "\n")
     if not train:
-        raise SystemExit("no training pair fits --max-length")
+        usage_error("no training pair fits --max-length")
+    data_fp = hashlib.sha256(json.dumps([[c, r] for c, r, _ in train]).encode()).hexdigest()
 
-    # 4. optimizer (mean over the pairs of a step), clipper, schedule, loop
-    opt = TrainOptimizer(make_adamw(param_groups(model, lr=args.lr), lr=args.lr), precision=precision,
-                         fallback=fallback)
+    # 4. optimizer (mean over the pairs of a step), clipper, schedule; checkpoints; resume; loop
+    pairs_per_step = args.batch_size * args.grad_accum
+    total = args.max_steps or max(1, args.epochs * len(train) // pairs_per_step)
+    save_every = args.save_every if args.save_every is not None else max(1, total // 10)
+    eval_every = args.eval_every if args.eval_every is not None else save_every
+    opt = TrainOptimizer(make_adamw(param_groups(model, lr=args.lr, weight_decay=args.weight_decay), lr=args.lr,
+                                    weight_decay=args.weight_decay), precision=precision, fallback=fallback)
 
-    def accuracy():
+    def held_out():
+        """Pairwise accuracy and the Bradley-Terry loss of the held-out pairs (None without any)."""
         if not eval_pairs:
             return None
-        with opt.autocast():
-            return pairwise_accuracy(*pair_scores(model, eval_pairs))
+        model.eval()
+        with torch.no_grad(), opt.autocast():
+            c, r = pair_scores(model, eval_pairs)
+        model.train()
+        loss_sum, n = bradley_terry_loss(c.float(), r.float(), None)
+        return {"eval_loss": float(loss_sum) / float(n), "eval_accuracy": float(pairwise_accuracy(c, r))}
 
-    acc_before = accuracy()
-    print(f"held-out pairwise accuracy before training: {acc_before}")
     clipper = GlobalNormClipper(args.clip)
     if args.schedule == "restarts":
-        schedule = CosineRestarts(max(1, args.steps // args.restart_cycles), min_lr_ratio=0.1,
+        schedule = CosineRestarts(max(1, total // args.restart_cycles), min_lr_ratio=0.1,
                                   warmup_ratio=args.warmup_ratio)
     else:
-        schedule = WarmupDecay(args.steps, warmup=resolve_warmup(args.steps, warmup_ratio=args.warmup_ratio),
-                               min_lr_ratio=0.1)
+        schedule = WarmupDecay(total, warmup=resolve_warmup(total, warmup_ratio=args.warmup_ratio), min_lr_ratio=0.1)
     sched = LRScheduler(opt.optimizer, schedule)
     decay = None
     if args.decay_rank is not None:  # every LoRA layer shrinks to --decay-rank at one step; Adam's state is projected
-        decay = RankDecay(model, StepRanks([(max(1, int(args.steps * args.decay_at)), args.decay_rank)]), optimizer=opt)
+        decay = RankDecay(model, StepRanks([(max(1, int(total * args.decay_at)), args.decay_rank)]), optimizer=opt)
     if args.offload_blocks:
         offload_modules(model.model.layers[-args.offload_blocks:])
-    rng = random.Random(args.seed)
-    order, pos, logs, t0 = list(range(len(train))), len(train), [], time.perf_counter()
+    sampler = PairSampler(len(train), args.batch_size, args.seed)
+    settings = run_settings(vars(args), SETTINGS, out=out) | {"chat_template": template, "precision": precision,
+                                                              "data_fingerprint": data_fp}
+    try:  # weights, optimizer, schedule, clipper, pair order, RNG; settings compared with the saved run's
+        resumed = resume_train_state(out / "checkpoints", resume=args.resume, settings=settings,
+                                     overrides=args.override, fixed=FIXED, seed=args.seed, model=model, optimizer=opt,
+                                     scheduler=sched, clipper=clipper, loader=sampler)
+    except ResumeError as e:
+        raise SystemExit(str(e)) from None
+    step = resumed.step
+    logs, evals_log = list(resumed.extra.get("log", [])), list(resumed.extra.get("evals", []))
+    train_s = resumed.extra.get("train_time_s", 0.0)
+    if step == 0:
+        before = held_out()
+        acc_before = before and before["eval_accuracy"]
+        print(f"held-out pairwise accuracy before training: {acc_before}")
+    else:
+        before, acc_before = None, resumed.extra.get("accuracy_before")
+    ckpt = Checkpointer(out / "checkpoints", keep=args.keep, metric="eval_loss" if eval_pairs else None)
+    write_run_manifest(out, vars(args), device=device, world_size=1, data_fingerprint=data_fp, resume=resumed,
+                       extra={"chat_template": {"text": template, "source": resolved.source},
+                              "skipped": {k: r.to_dict() for k, r in reports.items()}})
+    loggers = open_loggers(args.report_to, out=out, config=vars(args), start_step=step, run_name=out.name)
+    if step == 0 and before is not None:  # the step-0 point of the held-out curve
+        evals_log.append({"step": 0, "kind": "eval", **before})
+        loggers.log(evals_log[-1])
+    tokenized = set()  # checkpoint folders that hold the tokenizer files and the template
     model.train()
-    for step in range(1, args.steps + 1):
-        idx = []
-        while len(idx) < min(args.batch_pairs, len(train)):
-            if pos == len(order):
-                rng.shuffle(order)
-                pos = 0
-            idx.append(order[pos])
-            pos += 1
-        b = len(idx)
-        batch = pack_documents([train[i][0] for i in idx] + [train[i][1] for i in idx], device)
-        margin = None
-        if args.margin_field is not None:
-            margin = torch.tensor([float(train_recs[train[i][2]][0][args.margin_field]) for i in idx], device=device)
-        with opt.autocast():
-            r = model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"],
-                      max_seqlen=batch["max_seqlen"])  # (2B,): chosen first, then rejected
-        loss_sum, n_pairs = bradley_terry_loss(r[:b], r[b:], margin)
-        opt.backward(loss_sum, n_pairs)
+    t0 = time.perf_counter()
+    while step < total:
+        step += 1
+        correct, pairs_done = 0.0, 0
+        for _ in range(args.grad_accum):
+            idx = sampler.next()
+            b = len(idx)
+            batch = pack_documents([train[i][0] for i in idx] + [train[i][1] for i in idx], device)
+            margin = None
+            if args.margin_field is not None:
+                margin = torch.tensor([float(train_recs[train[i][2]][0][args.margin_field]) for i in idx],
+                                      device=device)
+            with opt.autocast():
+                r = model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"],
+                          max_seqlen=batch["max_seqlen"])  # (2B,): chosen first, then rejected
+            loss_sum, n_pairs = bradley_terry_loss(r[:b], r[b:], margin)
+            opt.backward(loss_sum, n_pairs)
+            correct += float(pairwise_accuracy(r[:b].detach(), r[b:].detach())) * b
+            pairs_done += b
         res = opt.step(clipper)
         sched.step()
         if decay is not None:
             for rep in decay.step():
                 print(f"rank decay at step {step}: {rep.name} {rep.old_rank} -> {rep.new_rank}, "
                       f"output change <= {rep.max_discarded:.3g} |x|")
-        if step % args.log_every == 0 or step == args.steps:
-            rec = {"step": step, "loss": round(res.loss, 4), "batch_accuracy": pairwise_accuracy(r[:b].detach(), r[b:].detach()),
+        if step % args.log_every == 0 or step == total:
+            elapsed = train_s + time.perf_counter() - t0
+            rec = {"step": step, "loss": round(res.loss, 4), "batch_accuracy": correct / pairs_done,
                    "lr": sched.get_last_lr()[0], "grad_norm": round(res.grad_norm, 4), "skipped": opt.skipped_steps,
-                   "pairs_per_s": round(step * b / (time.perf_counter() - t0), 1)}
+                   "pairs_per_s": round(step * pairs_per_step / max(elapsed, 1e-9), 1)}
             logs.append(rec)
+            loggers.log(rec)
             print(json.dumps(rec))
+        metrics = {}
+        if eval_pairs and ((eval_every and step % eval_every == 0) or step == total):
+            metrics = held_out()
+            evals_log.append({"step": step, "kind": "eval", **metrics})
+            loggers.log(evals_log[-1])
+            print(json.dumps(evals_log[-1]))
+        if (save_every and step % save_every == 0) or step == total:
+            done = ckpt.last_saved  # the last finished save: the tokenizer and template beside its adapter
+            if done is not None and done.exists() and done not in tokenized:
+                copy_tokenizer_files(args.model, done, chat_template=template)
+                tokenized.add(done)
+            ckpt.save(step, model=model, optimizer=opt, scheduler=sched, clipper=clipper, loader=sampler,
+                      metrics=metrics, base_model_name_or_path=args.model,
+                      extra={**run_extra(settings, sampler), "log": logs, "evals": evals_log,
+                             "accuracy_before": acc_before, "train_time_s": train_s + time.perf_counter() - t0})
+    train_s += time.perf_counter() - t0
+    loggers.close()
+    ckpt.close()  # waits for the last background write
+    for folder in sorted((out / "checkpoints").glob("step-*")):
+        if folder not in tokenized and folder.is_dir():
+            copy_tokenizer_files(args.model, folder, chat_template=template)
 
     # 5. held-out accuracy and scored pairs files
-    acc_after = accuracy()
+    after = held_out()
+    acc_after = after and after["eval_accuracy"]
     print(f"held-out pairwise accuracy after training: {acc_after} (before: {acc_before})")
-    to_score = args.score_pairs if args.score_pairs is not None else list(args.pairs) + list(args.eval_pairs)
+    to_score = args.score_pairs if args.score_pairs is not None else list(args.data) + list(args.eval_data)
     scored = {}
     for f in to_score:
-        recs = read_pairs(f, tok, template, args.margin_field)
+        recs = read("--score-pairs", f, SkipReport(strict=not args.lenient))
         pairs, skip = tokenize_pairs(recs, tok, template, args.max_length)
         recs = [rec for rec, _, _ in recs]
         dst = out / "scored" / Path(f).name
-        with opt.autocast():
+        with torch.no_grad(), opt.autocast():
             rewards = pair_scores(model, pairs)
         n = write_scored(f, dst, recs, pairs, *rewards)
         scored[f] = str(dst)
@@ -329,21 +533,24 @@ def main(argv=None):
 
     onpolicy = None
     if args.onpolicy_policy:
-        held_out = [r for f in args.eval_pairs for r in evals[f]]
-        onpolicy = onpolicy_pairs(args.onpolicy_policy, model, tok, template, train_recs, held_out,
+        held_out_recs = [r for f in args.eval_data for r in evals[f]]
+        onpolicy = onpolicy_pairs(args.onpolicy_policy, model, tok, template, train_recs, held_out_recs,
                                   dtype=torch.bfloat16 if precision == "bf16" else torch.float32, device=device,
                                   autocast=opt.autocast, seed=args.seed, dst=out / "onpolicy" / "pairs.jsonl")
 
-    # 6. save: the PEFT adapter, then a merged checkpoint in transformers' sequence-classification layout
+    # 6. save: the PEFT adapter (with the tokenizer and the template it trained with), then a merged
+    # checkpoint in transformers' sequence-classification layout
     ranks = None if decay is None else sorted(set(decay.ranks().values()))
     save_adapter(model, out / "adapter", base_model_name_or_path=args.model, task_type="SEQ_CLS")
+    copy_tokenizer_files(args.model, out / "adapter", chat_template=template)
     merged = merge_and_unload(model, dtype=None)
     save_reward_model(merged, out / "reward_model", pad_token_id=tok.pad_token_id)
-    copy_tokenizer_files(args.model, out / "reward_model")
+    copy_tokenizer_files(args.model, out / "reward_model", chat_template=template)
     metrics = {"accuracy_before": acc_before, "accuracy_after": acc_after, "train_pairs": len(train),
-               "ranks": ranks,
+               "ranks": ranks, "steps": step,
                "skipped_too_long": len(skipped), "eval_pairs": len(eval_pairs), "scored": scored,
-               "onpolicy": onpolicy, "log": logs}
+               "onpolicy": onpolicy, "log": logs, "evals": evals_log,
+               "skipped_records": {k: r.total for k, r in reports.items()}}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     print(f"adapter: {out / 'adapter'}; reward model (transformers SequenceClassification): {out / 'reward_model'}")
     return merged, metrics

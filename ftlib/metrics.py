@@ -446,7 +446,8 @@ class MetricsLogger:
 
 
 def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike, *, title: str | None = None) -> Path:
-    """Draw loss (train, and eval when logged), LR and gradient norm (before/after clipping) to ``png``."""
+    """Draw loss (train, and eval when logged), LR, gradient norm (before/after clipping) and, when the
+    records have ``tokens_per_s``, throughput to ``png``."""
     try:
         import matplotlib
 
@@ -464,7 +465,8 @@ def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike, *, title: str
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    tput = series(train, "tokens_per_s")
+    fig, axes = plt.subplots(4 if tput[0] else 3, 1, figsize=(8, 10.5 if tput[0] else 8), sharex=True)
     ax = axes[0]
     ax.plot(*series(train, "loss"), lw=1, label="train loss")
     if evals:
@@ -478,8 +480,12 @@ def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike, *, title: str
     axes[2].plot(*series(train, "grad_norm_clipped"), lw=1, color="tab:purple", alpha=0.7, label="after clipping")
     axes[2].set_ylabel("gradient norm")
     axes[2].set_yscale("log")
-    axes[2].set_xlabel("optimizer step")
     axes[2].legend()
+    if tput[0]:  # throughput of each logged step (MetricsLogger's tokens_per_s: the step's tokens / its time)
+        axes[3].plot(*tput, lw=1, color="tab:orange")
+        axes[3].set_ylabel("tokens / s")
+        axes[3].set_ylim(bottom=0)
+    axes[-1].set_xlabel("optimizer step")
     for a in axes:
         a.grid(alpha=0.3)
     if title:

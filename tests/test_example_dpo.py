@@ -101,3 +101,67 @@ def test_dpo_resume_after_a_cut_ends_with_the_same_adapter(tmp_path, monkeypatch
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     for name in ("dpo", "finetune_lora", "_demo_assets"):
         sys.modules.pop(name, None)
+
+
+def test_dpo_cli_refuses_in_one_line_and_lenient_skips(tmp_path, monkeypatch):
+    """The shared CLI (ftlib.train.cli) in dpo.py: a tokenizer without a chat template is refused (one line,
+    exit 2, how to pass one); a malformed pair names file:line and --lenient; a flag dpo.py does not
+    implement is refused; --lenient trains on the rest, saves the skip report, and the template used goes
+    into the adapter's tokenizer_config.json and run.json."""
+    import subprocess
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from _demo_assets import make_demo_assets
+
+    from ftlib.data import BUILTIN_TEMPLATES
+
+    make_demo_assets(tmp_path / "demo")
+    base = tmp_path / "demo" / "base"
+    cfg = json.loads((base / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in base.glob("chat_template.jinja"):
+        f.unlink()
+    good = '{"messages": [{"role": "user", "content": "a b"}], "chosen": "b a", "rejected": "a b"}\n'
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(good * 5 + '{"messages": [{"role": "user", "content": "q"}], "chosen": "x"}\n' + good * 2)
+    argv = ["--model", str(base), "--data", str(data), "--out", str(tmp_path / "o"), "--max-steps", "2",
+            "--batch-size", "2", "--grad-accum", "1", "--max-length", "32", "--num-proc", "1", "--num-workers", "0", "--threads", "1"]
+
+    def cli(*extra):
+        return subprocess.run([sys.executable, str(EXAMPLES / "dpo.py"), *argv, *extra], capture_output=True,
+                              text=True, timeout=300)
+
+    r = cli()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "no chat template" in r.stderr and "--chat-template" in r.stderr
+    r = cli("--chat-template", "chatml")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "pairs.jsonl:6" in r.stderr and "--lenient" in r.stderr
+    r = cli("--chat-template", "chatml", "--early-stop", "2")
+    assert r.returncode == 2 and "--early-stop is not available in dpo.py" in r.stderr
+
+    import dpo
+
+    n = torch.get_num_threads()
+    try:  # the held-out pairs (the same file) every step, mirrored to TensorBoard
+        _, res = dpo.main(argv + ["--chat-template", "chatml", "--lenient", "--eval-data", str(data), "--eval-every",
+                                  "1", "--eval-generate", "0", "--report-to", "tensorboard"])
+    finally:
+        torch.set_num_threads(n)
+        for name in ("dpo", "_demo_assets"):
+            sys.modules.pop(name, None)
+    assert [r["step"] for r in res["log"]] == [1, 2]
+    skipped = json.loads((tmp_path / "o" / "skipped.json").read_text())
+    assert sum(skipped["train"]["counts"].values()) == 1
+    saved = json.loads((tmp_path / "o" / "adapter" / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == BUILTIN_TEMPLATES["chatml"]
+    run = json.loads((tmp_path / "o" / "run.json").read_text())
+    assert run["chat_template"]["source"] == "built-in 'chatml'" and run["args"]["kind"] == "chat"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "o" / "tb"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("train/loss")] == [1, 2]
+    evals = [k for k in tb.Tags()["scalars"] if k.startswith("eval/")]
+    assert evals and all([e.step for e in tb.Scalars(k)] == [1, 2] for k in evals), tb.Tags()["scalars"]

@@ -247,6 +247,25 @@ def test_plot_metrics_writes_a_png_and_needs_matplotlib(tmp_path, monkeypatch):
         plot_metrics(path, tmp_path / "n.png")
 
 
+def test_plot_metrics_adds_a_throughput_panel_when_logged(tmp_path, monkeypatch):
+    """Records with tokens_per_s get a fourth panel (tokens / s against the step); without, three panels."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    made = []
+    real = plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    rows = [{"step": s, "loss": 1.0 / s, "lr": 1e-3, "grad_norm": 1.0} for s in range(1, 6)]
+    for name, extra in (("with", {"tokens_per_s": 1000.0}), ("without", {})):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r | extra) + "\n" for r in rows))
+        plot_metrics(path, tmp_path / f"{name}.png")
+    (fig4, axes4), (fig3, axes3) = made
+    assert len(axes4) == 4 and len(axes3) == 3
+    assert axes4[3].get_ylabel() == "tokens / s"
+    assert list(axes4[3].lines[0].get_ydata()) == [1000.0] * 5 and list(axes4[3].lines[0].get_xdata()) == [1, 2, 3, 4, 5]
+
+
 def test_tensorboard_scalars(tmp_path):
     pytest.importorskip("tensorboard")
     with MetricsLogger(None, progress=False, print_every=None, tensorboard=tmp_path / "tb") as logger:

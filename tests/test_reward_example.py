@@ -20,7 +20,7 @@ def run(tmp_path_factory):
         import reward_model
 
         out = tmp_path_factory.mktemp("rm")
-        model, metrics = reward_model.main(["--demo", "--out", str(out), "--steps", "120", "--log-every", "40",
+        model, metrics = reward_model.main(["--demo", "--out", str(out), "--max-steps", "120", "--log-every", "40",
                                             "--decay-rank", "8", "--decay-at", "0.75", "--offload-blocks", "1",
                                             "--onpolicy-policy", str(out / "demo" / "base")])
     finally:
@@ -140,3 +140,126 @@ def test_bad_pairs_file_names_the_line(run, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"p.jsonl:1: field 'margin' must be a number"):
         reward_model.read_pairs(str(f), tok, tok.chat_template, margin_field="margin")
     sys.modules.pop("reward_model", None)
+
+
+def _import_reward_model(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    sys.modules.pop("reward_model", None)
+    import reward_model
+
+    return reward_model
+
+
+def _adapter_tensors(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def test_cut_run_resumes_to_the_same_weights_and_evals_at_eval_every(tmp_path, monkeypatch):
+    """--save-every / --resume: a run cut after its step-8 checkpoint and resumed ends with the same adapter
+    (bitwise, CPU), the same log and the same held-out evals as an uninterrupted one; evals at every
+    --eval-every step, the step-0 point and the last step; run.json records the resume and the template."""
+    from ftlib.checkpoint import Checkpointer
+
+    rm = _import_reward_model(monkeypatch)
+    n = torch.get_num_threads()
+    common = ["--demo", "--demo-prompts", "8", "--max-steps", "12", "--batch-size", "4", "--save-every", "4",
+              "--eval-every", "3", "--log-every", "2", "--threads", "1"]
+    try:
+        _, full = rm.main(common + ["--out", str(tmp_path / "full")])
+
+        class Cut(Checkpointer):
+            def save(self, step, **kw):
+                path = super().save(step, **kw)
+                if step == 8:
+                    self.close()
+                    raise KeyboardInterrupt
+                return path
+
+        monkeypatch.setattr(rm, "Checkpointer", Cut)
+        with pytest.raises(KeyboardInterrupt):
+            rm.main(common + ["--out", str(tmp_path / "cut")])
+        monkeypatch.setattr(rm, "Checkpointer", Checkpointer)
+        _, resumed = rm.main(common + ["--out", str(tmp_path / "cut"), "--resume"])
+    finally:
+        torch.set_num_threads(n)
+        sys.modules.pop("reward_model", None)
+        sys.modules.pop("_demo_assets", None)
+    a, b = _adapter_tensors(tmp_path / "full" / "adapter"), _adapter_tensors(tmp_path / "cut" / "adapter")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    untimed = lambda log: [{k: v for k, v in r.items() if k != "pairs_per_s"} for r in log]
+    assert [r["step"] for r in full["log"]] == list(range(2, 13, 2))
+    assert untimed(resumed["log"]) == untimed(full["log"])
+    assert [e["step"] for e in full["evals"]] == [0, 3, 6, 9, 12]
+    assert resumed["evals"] == full["evals"] and resumed["accuracy_before"] == full["accuracy_before"]
+    run = json.loads((tmp_path / "cut" / "run.json").read_text())
+    assert len(run["resumes"]) == 1 and run["resumes"][0]["step"] == 8
+    tok_cfg = json.loads((tmp_path / "cut" / "demo" / "base" / "tokenizer_config.json").read_text())
+    assert run["chat_template"]["text"] == tok_cfg["chat_template"]
+    for folder in ("adapter", "reward_model", "checkpoints/step-00000012"):
+        saved = json.loads((tmp_path / "cut" / folder / "tokenizer_config.json").read_text())
+        assert saved["chat_template"] == tok_cfg["chat_template"], folder
+
+
+def test_cli_refuses_no_template_and_bad_records_in_one_line_and_lenient_skips(tmp_path, monkeypatch):
+    """No chat template (tokenizer without one, no --chat-template): refused, one line, exit 2, saying how
+    to pass one. A malformed record: one line naming file:line and --lenient; the old --pairs flag is gone.
+    --lenient trains on the good records, counts the bad one in skipped.json, saves the template used."""
+    import subprocess
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from _demo_assets import make_demo_assets
+
+    from ftlib.data import BUILTIN_TEMPLATES
+
+    make_demo_assets(tmp_path / "demo")
+    base = tmp_path / "demo" / "base"
+    cfg = json.loads((base / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in base.glob("chat_template.jinja"):
+        f.unlink()
+    good = '{"messages": [{"role": "user", "content": "1+1"}], "chosen": "2", "rejected": "3"}\n'
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(good * 3 + '{"messages": [{"role": "user", "content": "q"}], "chosen": "a"}\n' + good)
+    argv = ["--model", str(base), "--data", str(data), "--out", str(tmp_path / "o"), "--max-steps", "2",
+            "--batch-size", "2", "--threads", "1"]
+
+    def cli(*extra):
+        return subprocess.run([sys.executable, str(EXAMPLES / "reward_model.py"), *argv, *extra], capture_output=True,
+                              text=True, timeout=300)
+
+    r = cli()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "no chat template" in r.stderr and "--chat-template" in r.stderr
+    r = cli("--chat-template", "chatml")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "pairs.jsonl:4" in r.stderr and "field 'rejected'" in r.stderr and "--lenient" in r.stderr
+    r = subprocess.run([sys.executable, str(EXAMPLES / "reward_model.py"), "--pairs", str(data), "--out", "x"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "unrecognized arguments: --pairs" in r.stderr
+
+    rm = _import_reward_model(monkeypatch)
+    n = torch.get_num_threads()
+    try:
+        _, m = rm.main(argv + ["--chat-template", "chatml", "--lenient", "--eval-data", str(data), "--eval-every", "1",
+                               "--log-every", "1", "--report-to", "tensorboard"])
+    finally:
+        torch.set_num_threads(n)
+        sys.modules.pop("reward_model", None)
+    assert m["train_pairs"] == 4 and m["skipped_records"]["train"] == 1 and m["steps"] == 2
+    skipped = json.loads((tmp_path / "o" / "skipped.json").read_text())
+    assert skipped["train"]["counts"] == {"missing_field": 1}
+    saved = json.loads((tmp_path / "o" / "adapter" / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == BUILTIN_TEMPLATES["chatml"]
+    run = json.loads((tmp_path / "o" / "run.json").read_text())
+    assert run["chat_template"]["source"] == "built-in 'chatml'" and run["args"]["lenient"] is True
+    assert [e["step"] for e in m["evals"]] == [0, 1, 2]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "o" / "tb"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("train/loss")] == [1, 2]
+    assert [e.step for e in tb.Scalars("eval/eval_accuracy")] == [0, 1, 2]
+    assert [e.value for e in tb.Scalars("eval/eval_loss")] == pytest.approx([e["eval_loss"] for e in m["evals"]])

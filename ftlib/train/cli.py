@@ -44,11 +44,12 @@ __all__ = ["CONFIG_SKIP", "FlagError", "FlagParser", "add_data_flags", "add_eval
 CONFIG_SKIP = ("config", "resume", "override")
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
+def add_model_flags(p: argparse.ArgumentParser, *, precisions: tuple[str, ...] = ("bf16", "fp16", "fp32"),
+                    precision_help: str = "default: bf16 on CUDA, fp32 on CPU") -> None:
+    """--model, --precision (``precisions``: the values the script takes), --threads, --compile, --seed."""
     g = p.add_argument_group("model")
     g.add_argument("--model", help="HF model folder or hub repo id (its tokenizer and chat template come with it)")
-    g.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="default: bf16 on CUDA, fp32 on CPU")
+    g.add_argument("--precision", choices=list(precisions), default=None, help=precision_help)
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on CPU: the usable cores less one per --num-workers, at most 8)")
     g.add_argument("--compile", action="store_true", help="torch.compile the training model (compiles on step 1)")
@@ -68,7 +69,10 @@ def add_data_flags(p: argparse.ArgumentParser, *, kinds: tuple[str, ...] = ("cha
     add_format_flags(p, kinds=kinds)
 
 
-def add_loop_flags(p: argparse.ArgumentParser) -> None:
+def add_loop_flags(p: argparse.ArgumentParser, *,
+                   schedules: tuple[str, ...] = ("cosine", "linear", "constant", "plateau")) -> None:
+    """Batch, steps, learning rate, schedule (``schedules``: the ones the script builds; the first is
+    the default), clipping."""
     g = p.add_argument_group("optimization")
     g.add_argument("--batch-size", type=int, default=None, help="rows per micro-batch per rank")
     g.add_argument("--grad-accum", type=int, default=None, help="micro-batches per optimizer step")
@@ -79,7 +83,7 @@ def add_loop_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--warmup-ratio", type=float, default=0.03)
-    g.add_argument("--schedule", choices=["cosine", "linear", "constant", "plateau"], default="cosine")
+    g.add_argument("--schedule", choices=list(schedules), default=schedules[0])
     g.add_argument("--clip", type=float, default=1.0, help="global gradient-norm bound")
 
 
