@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._dist import get_rank, get_world_size
 from ..checkpoint import latest_checkpoint, load_checkpoint
 from .plan import StepPlan
 from .seed import seed_everything
@@ -207,8 +208,6 @@ def resume_train_state(root: str | os.PathLike, *, resume: bool, settings: Mappi
     batch geometry, checked as the global batch) beside the rest. ``plan``: checks that the loader
     position matches the step. Every rank calls it under torch.distributed.
     """
-    import torch.distributed as dist
-
     root = Path(root)
     existing = latest_checkpoint(root, full=False)
     if not resume:
@@ -219,9 +218,8 @@ def resume_train_state(root: str | os.PathLike, *, resume: bool, settings: Mappi
     if existing is None:
         log(f"--resume: no checkpoint in {root}, starting from step 0")
         return Resumed()
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    world = int(loader.world_size) if loader is not None else (
-        dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
+    rank = get_rank()
+    world = int(loader.world_size) if loader is not None else get_world_size()
     if sharded:
         from ..distributed import load_sharded_checkpoint as load
         path = existing
