@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -98,13 +97,13 @@ from ftlib.preference import (
 )
 from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
 from ftlib.train import (
-    LOGGERS,
     ResumeError,
     add_data_flags,
     add_eval_flags,
     add_loop_flags,
     add_model_flags,
     add_output_flags,
+    check_output_flags,
     copy_tokenizer_files,
     cpu_threads,
     open_loggers,
@@ -225,19 +224,7 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.eval_every and not args.eval_data:
         p.error("--eval-every evaluates the held-out pairs: pass --eval-data FILE")
-    args.report_to = [s.strip() for s in args.report_to.split(",") if s.strip()] if isinstance(args.report_to, str) \
-        else list(args.report_to or [])
-    if args.tensorboard and "tensorboard" not in args.report_to:
-        args.report_to.append("tensorboard")
-    args.tensorboard = False
-    for name in args.report_to:
-        if name not in LOGGERS:
-            p.error(f"--report-to {name}: not one of {', '.join(LOGGERS)}")
-        if importlib.util.find_spec(name) is None:
-            p.error(f"--report-to {name} needs the {name} package: pip install {name} (or drop it)")
-    args.override = [s.strip().replace("-", "_") for s in args.override.split(",") if s.strip()]
-    if args.override and not args.resume:
-        p.error("--override applies to --resume")
+    check_output_flags(p, args)
     return args
 
 

@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import importlib.util
 import json
 import os
 import time
@@ -101,13 +100,13 @@ from ftlib.models import load_pretrained, load_tokenizer
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups
 from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
 from ftlib.train import (
-    LOGGERS,
     ResumeError,
     add_data_flags,
     add_eval_flags,
     add_loop_flags,
     add_model_flags,
     add_output_flags,
+    check_output_flags,
     copy_tokenizer_files,
     cpu_threads,
     open_loggers,
@@ -222,19 +221,7 @@ def parse_args(argv=None):
         parser.error(f"{'--eval-generate' if args.eval_generate else '--sample-every'} needs chat records (--kind chat)")
     if args.early_stop and not (eval_records or args.eval_split):
         parser.error("--early-stop watches the held-out loss: pass --eval-data FILE or --eval-split FRACTION")
-    args.report_to = [s.strip() for s in args.report_to.split(",") if s.strip()] if isinstance(args.report_to, str) \
-        else list(args.report_to or [])
-    if args.tensorboard and "tensorboard" not in args.report_to:
-        args.report_to.append("tensorboard")
-    args.tensorboard = False
-    for name in args.report_to:
-        if name not in LOGGERS:
-            parser.error(f"--report-to {name}: not one of {', '.join(LOGGERS)}")
-        if importlib.util.find_spec(name) is None:
-            parser.error(f"--report-to {name} needs the {name} package: pip install {name} (or drop it)")
-    args.override = [s.strip().replace("-", "_") for s in args.override.split(",") if s.strip()]
-    if args.override and not args.resume:
-        parser.error("--override applies to --resume")
+    check_output_flags(parser, args)
     return args
 
 

@@ -57,7 +57,6 @@ a no-op on CPU) and ``--precision auto`` (bf16, or fp16 falling back to fp32 aft
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import random
 import time
@@ -96,13 +95,13 @@ from ftlib.onpolicy import OnPolicyConfig, build_onpolicy_pairs, prompt_key, rew
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups, resolve_precision
 from ftlib.sched import CosineRestarts, LRScheduler, WarmupDecay, resolve_warmup
 from ftlib.train import (
-    LOGGERS,
     ResumeError,
     add_data_flags,
     add_eval_flags,
     add_loop_flags,
     add_model_flags,
     add_output_flags,
+    check_output_flags,
     copy_tokenizer_files,
     cpu_threads,
     open_loggers,
@@ -182,19 +181,7 @@ def parse_args(argv=None):
     if args.resume and args.decay_rank is not None:
         p.error("--resume with --decay-rank is not supported: the adapter's ranks change during the run, so a "
                 "checkpoint does not fit a fresh model; run without --decay-rank, or start again")
-    args.report_to = [s.strip() for s in args.report_to.split(",") if s.strip()] if isinstance(args.report_to, str) \
-        else list(args.report_to or [])
-    if args.tensorboard and "tensorboard" not in args.report_to:
-        args.report_to.append("tensorboard")
-    args.tensorboard = False
-    for name in args.report_to:
-        if name not in LOGGERS:
-            p.error(f"--report-to {name}: not one of {', '.join(LOGGERS)}")
-        if importlib.util.find_spec(name) is None:
-            p.error(f"--report-to {name} needs the {name} package: pip install {name} (or drop it)")
-    args.override = [s.strip().replace("-", "_") for s in args.override.split(",") if s.strip()]
-    if args.override and not args.resume:
-        p.error("--override applies to --resume")
+    check_output_flags(p, args)
     return args
 
 

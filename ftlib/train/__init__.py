@@ -13,7 +13,8 @@ same in every script and must not drift between copies:
   ``copy_tokenizer_files``;
 - ``seed``: ``seed_everything``;
 - ``cli``: the flag groups every script shares (``add_model_flags``, ``add_data_flags``, ...),
-  ``--config FILE`` (``parse_with_config``), the CPU thread default (``cpu_threads``);
+  ``--config FILE`` (``parse_with_config``), the output flags checked once (``check_output_flags``),
+  the CPU thread default (``cpu_threads``);
 - ``loggers``: ``open_loggers``, TensorBoard and W&B behind one interface.
 
 Layer: above ``checkpoint`` and ``distributed`` (a sharded resume imports the latter lazily),
@@ -28,6 +29,7 @@ from .cli import (
     add_loop_flags,
     add_model_flags,
     add_output_flags,
+    check_output_flags,
     cpu_threads,
     load_config_file,
     parse_with_config,
@@ -62,6 +64,7 @@ __all__ = [
     "add_loop_flags",
     "add_model_flags",
     "add_output_flags",
+    "check_output_flags",
     "compare_settings",
     "copy_tokenizer_files",
     "cpu_threads",

@@ -31,14 +31,16 @@ many-core machine is still to be measured.) The value used is recorded in ``run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 from pathlib import Path
 
 from ..data.cli import FlagError, FlagParser, add_format_flags
+from .loggers import LOGGERS
 
 __all__ = ["CONFIG_SKIP", "FlagError", "FlagParser", "add_data_flags", "add_eval_flags", "add_loop_flags", "add_model_flags",
-           "add_output_flags", "cpu_threads", "load_config_file", "parse_with_config"]
+           "add_output_flags", "check_output_flags", "cpu_threads", "load_config_file", "parse_with_config"]
 
 # run.json keys that describe one invocation, not the run: never taken from a config file
 CONFIG_SKIP = ("config", "resume", "override")
@@ -115,6 +117,25 @@ def add_output_flags(p: argparse.ArgumentParser) -> None:
                    help="comma-separated experiment loggers besides metrics.jsonl: tensorboard (--out/tb), "
                         "wandb (offline with WANDB_MODE=offline)")
     g.add_argument("--tensorboard", action="store_true", help="same as --report-to tensorboard")
+
+
+def check_output_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Normalise the output group after parsing (in place): ``--report-to`` becomes a list with
+    ``--tensorboard`` folded in, each logger known and importable; ``--override`` a list of setting
+    names, and only with ``--resume``. A bad value is a one-line ``parser.error`` naming the flag."""
+    rt = args.report_to
+    args.report_to = [s.strip() for s in rt.split(",") if s.strip()] if isinstance(rt, str) else list(rt or [])
+    if args.tensorboard and "tensorboard" not in args.report_to:
+        args.report_to.append("tensorboard")
+    args.tensorboard = False
+    for name in args.report_to:
+        if name not in LOGGERS:
+            parser.error(f"--report-to {name}: not one of {', '.join(LOGGERS)}")
+        if importlib.util.find_spec(name) is None:
+            parser.error(f"--report-to {name} needs the {name} package: pip install {name} (or drop it)")
+    args.override = [s.strip().replace("-", "_") for s in args.override.split(",") if s.strip()]
+    if args.override and not args.resume:
+        parser.error("--override applies to --resume")
 
 
 def load_config_file(path: str | os.PathLike) -> dict:

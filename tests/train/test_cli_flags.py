@@ -14,6 +14,7 @@ from ftlib.train import (
     add_loop_flags,
     add_model_flags,
     add_output_flags,
+    check_output_flags,
     cpu_threads,
     load_config_file,
     parse_with_config,
@@ -78,3 +79,20 @@ def test_library_messages_are_rewritten_as_flags():
     assert flag_message("appending EOS needs FormatConfig.eos_token (or set add_eos=False)") == \
         "appending EOS needs --eos-token (or set --no-eos)"
     assert flag_message("FormatConfig.max_length must be >= 1", {"max_length": "--seq-len"}) == "--seq-len must be >= 1"
+
+
+def test_output_flags_are_normalised_once_and_bad_values_are_one_line_errors(capsys):
+    p = parser()
+    a = p.parse_args(["--out", "o", "--report-to", " tensorboard ,", "--tensorboard", "--resume",
+                      "--override", "lr, warmup-ratio"])
+    check_output_flags(p, a)
+    assert a.report_to == ["tensorboard"] and a.tensorboard is False
+    assert a.override == ["lr", "warmup_ratio"]
+    a = p.parse_args(["--out", "o", "--tensorboard"])
+    check_output_flags(p, a)
+    assert a.report_to == ["tensorboard"] and a.override == []
+    for argv, msg in ((["--report-to", "mlflow"], "--report-to mlflow: not one of tensorboard, wandb"),
+                      (["--override", "lr"], "--override applies to --resume")):
+        with pytest.raises(SystemExit) as e:
+            check_output_flags(p, p.parse_args(["--out", "o", *argv]))
+        assert e.value.code == 2 and msg in capsys.readouterr().err
