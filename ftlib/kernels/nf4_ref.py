@@ -15,9 +15,20 @@ the fp32 absmax vector in 8 bits with bitsandbytes' signed dynamic map (blocks o
 
     absmax ~= DYN[q_b] * absmax2_{b // 256} + offset
 
+so the 4-bit round-trip error is at most ``absmax_b * max_j (NF4[j+1] - NF4[j]) / 2``.
+
+The 4-bit step mirrors bitsandbytes' CPU kernel operation for operation (multiply by the
+reciprocal of absmax for whole blocks, divide for the ragged last one, nearest code with ties to
+the lower index; fp32 throughout), so packed codes and absmax are byte-identical. For the 8-bit
+absmax step ftlib rounds to the exact nearest code (bitsandbytes' PyTorch reference op does the
+same); its CPU C kernel uses an approximate binary search that returns a nearby, not the nearest,
+code for a small fraction of values (0.2-0.4% in ftlib's tests), so those few 8-bit absmax codes
+differ (offset and second-level scales are identical). The 256-value map is stored with the layer
+(bitsandbytes' CPU kernel overwrites its first entry with -1.0), so a state quantized by either
+library dequantizes in the other to exactly the same values.
+
 This is the math the kernels read (``_lora_kernels._w_tile`` dequantizes this layout tile by
-tile) and the PyTorch reference; ``ftlib.lora.nf4`` builds the ``NF4Linear`` layer on it and
-documents the rounding details against bitsandbytes.
+tile) and the PyTorch reference; ``ftlib.lora.nf4`` builds the ``NF4Linear`` layer on it.
 """
 
 from __future__ import annotations

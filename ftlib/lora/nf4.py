@@ -1,46 +1,19 @@
-"""NF4 4-bit weight storage (the QLoRA base), bit-compatible with bitsandbytes.
+"""``NF4Linear``: a frozen linear layer on an NF4 4-bit weight (the QLoRA base), bit-compatible with bitsandbytes.
 
-NormalFloat4 (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs",
-arXiv:2305.14314) stores a weight as 4-bit indices into a 16-value codebook built
-from quantiles of N(0, 1), scaled per block of ``blocksize`` (64) consecutive values
-of the row-major flattened weight by the block's absolute maximum:
+The format and its math (NormalFloat4, Dettmers et al., "QLoRA", arXiv:2305.14314: 4-bit indices
+into a 16-value codebook scaled per block by the block's absmax; double quantization of the absmax
+with bitsandbytes' signed dynamic 8-bit map; bitsandbytes' packing order; where ftlib's rounding
+differs from bitsandbytes' CPU kernel) live in ``ftlib.kernels.nf4_ref``, whose docstring states
+them; the kernels read the same format. Its names are re-exported here.
 
-    absmax_b = max_{i in b} |w_i|
-    code_i   = argmin_j |NF4[j] - w_i / absmax_b|   (ties go to the lower index)
-    w_i     ~= NF4[code_i] * absmax_b
-
-so the round-trip error is at most ``absmax_b * max_j (NF4[j+1] - NF4[j]) / 2``.
-Two codes are packed per byte, the first value in the high nibble (bitsandbytes'
-order); an odd element count is padded with the code of 0.0.
-
-Double quantization (QLoRA section 3) stores the fp32 absmax vector itself in 8
-bits: subtract its mean ``offset``, then quantize blockwise (blocksize 256) with
-bitsandbytes' signed "dynamic" 8-bit map (Dettmers 2015, arXiv:1511.04561):
-
-    absmax ~= DYN[q_b] * absmax2_{b // 256} + offset
-
-The 4-bit step mirrors bitsandbytes' CPU kernel operation for operation (multiply by
-the reciprocal of absmax for whole blocks, divide for the ragged last one, nearest
-code with ties to the lower index; fp32 throughout), so packed codes and absmax are
-byte-identical. For the 8-bit absmax step ftlib rounds to the exact nearest code
-(bitsandbytes' PyTorch reference op does the same); its CPU C kernel uses an
-approximate binary search that returns a nearby, not the nearest, code for a small
-fraction of values (0.2-0.4% in ftlib's tests), so those few 8-bit absmax codes differ
-(offset and second-level scales are identical). The 256-value map is stored with the layer
-(bitsandbytes' CPU kernel overwrites its first entry with -1.0), so a state quantized
-by either library dequantizes in the other to exactly the same values.
-
-``NF4Linear`` is a frozen linear layer holding these tensors as ``requires_grad=False``
-parameters, all 1-D: codes and 8-bit absmax as uint8, fp32 scales stored as their int32
-bit patterns. FSDP2's ``fully_shard`` shards and all-gathers them like any other
-parameter, which is what multi-GPU QLoRA needs, and because none of them is a floating
-point tensor, neither an FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16)`` nor
-``model.to(bfloat16)`` can round the scales (only the bias follows the model's dtype). Dequantization uses bitsandbytes on CUDA when installed
-(``FTLIB_NF4_BACKEND=auto|bnb|torch``), the pure-PyTorch code elsewhere. The quantization math
-itself lives in ``ftlib.kernels.nf4_ref`` (the kernels read this format); its names are
-re-exported here. The
-matmul recomputes the dequantized weight in backward instead of saving it, so the
-only weight-sized memory is one transient copy in the compute dtype.
+``NF4Linear`` holds these tensors as ``requires_grad=False`` parameters, all 1-D: codes and 8-bit
+absmax as uint8, fp32 scales stored as their int32 bit patterns. FSDP2's ``fully_shard`` shards and
+all-gathers them like any other parameter, which is what multi-GPU QLoRA needs, and because none of
+them is a floating point tensor, neither an FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16)`` nor
+``model.to(bfloat16)`` can round the scales (only the bias follows the model's dtype).
+Dequantization uses bitsandbytes on CUDA when installed (``FTLIB_NF4_BACKEND=auto|bnb|torch``), the
+pure-PyTorch code elsewhere. The matmul recomputes the dequantized weight in backward instead of
+saving it, so the only weight-sized memory is one transient copy in the compute dtype.
 """
 
 from __future__ import annotations
