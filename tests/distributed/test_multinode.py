@@ -5,9 +5,12 @@ Shard within a node, replicate across nodes (``device_mesh(shard=LOCAL_WORLD_SIZ
 4 ranks takes 1 row of every global step, the one-process reference all 4. fp32 on CPU (gloo):
 the per-step losses, token counts, gradient norms, the trained tensors and the exported adapter
 equal one process's up to the rounding of another summation order (token counts and
-skips exactly).
+skips exactly). The README's recipe itself (``examples/finetune_lora.py --engine fsdp
+--shard-size 2`` on the demo) gives the losses and the adapter of ``--engine none`` in one process.
 """
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,10 +25,11 @@ from test_sharding import _assert_records_match, _assert_weights_match, _records
 from ftlib.lora import save_adapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the torchrun launcher
-from _torchrun import torchrun_nodes  # noqa: E402
+from _torchrun import _env, torchrun_nodes  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("_multinode_worker.py")
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "finetune_lora.py"
 CASES = ("lora", "qlora")
 
 
@@ -57,3 +61,35 @@ def test_hsdp_on_two_nodes_trains_like_one_process(two_nodes, case, tmp_path):
         torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     assert (two_nodes / case / "adapter" / "adapter_config.json").read_text() == (
         tmp_path / "adapter_config.json").read_text()
+
+
+def _step_losses(out: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r and r.get("kind") in (None, "train")}
+
+
+def test_example_recipe_on_two_nodes_trains_like_one_process(tmp_path):
+    """The README's multi-node recipe, as the user runs it: ``examples/finetune_lora.py --engine fsdp
+    --shard-size 2`` on 2 nodes x 2 ranks (1 row each) against ``--engine none`` in one process (4 rows),
+    the demo's model and data, no dropout: the same per-step losses and the same adapter."""
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("needs torch.distributed with gloo")
+    common = ("--demo", "--max-steps", "3", "--save-every", "0", "--log-every", "1", "--num-proc", "1",
+              "--num-workers", "0", "--lora-dropout", "0", "--eval-generate", "0")
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(one), "--batch-size", "4", *common], env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    outs = torchrun_nodes(SCRIPT, "--out", str(two), "--engine", "fsdp", "--shard-size", "2", "--batch-size", "1",
+                          *common, nnodes=2, nproc=2, timeout=300)
+    assert "fsdp on 4 rank(s), HSDP shard groups of 2" in "".join(outs)
+    want, got = _step_losses(one), _step_losses(two)
+    assert sorted(want) == sorted(got) == [1, 2, 3]
+    for step, loss in want.items():
+        assert abs(got[step] - loss) <= 1e-5 * loss, (step, got[step], loss)
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (two, one))
+    assert set(a) == set(b) and len(b) > 0
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    init = torch.zeros(())  # the adapter moved: lora_B starts at zero
+    assert any(not torch.equal(v, init.expand_as(v)) for k, v in b.items() if "lora_B" in k)
