@@ -40,6 +40,16 @@ def free_port() -> int:
 
 
 def torchrun_nodes(script: Path, *args: str, nnodes: int = 2, nproc: int = 2, timeout: float = 300.0) -> list[str]:
+    """See ``_torchrun_nodes``; launched again on a fresh port when the first one was taken meanwhile."""
+    try:
+        return _torchrun_nodes(script, *args, nnodes=nnodes, nproc=nproc, timeout=timeout)
+    except AssertionError as e:
+        if "Address already in use" not in str(e) and "EADDRINUSE" not in str(e):
+            raise
+        return _torchrun_nodes(script, *args, nnodes=nnodes, nproc=nproc, timeout=timeout)
+
+
+def _torchrun_nodes(script: Path, *args: str, nnodes: int, nproc: int, timeout: float) -> list[str]:
     """Launch ``script *args`` as ``nnodes`` torchrun agents of ``nproc`` ranks each on this host, met by the
     c10d rendezvous, as on ``nnodes`` machines (``torchrun --nnodes=N --rdzv_backend=c10d
     --rdzv_endpoint=HOST:PORT``; the first agent hosts the store). Returns each agent's output.
@@ -76,8 +86,13 @@ def torchrun_nodes(script: Path, *args: str, nnodes: int = 2, nproc: int = 2, ti
         if failed is None and time.monotonic() > deadline:
             what = f"timed out after {timeout} s"
         raise AssertionError(f"{Path(script).name} on {nnodes} nodes x {nproc}: {what}\n" + "\n".join(
-            f"--- node {i} (exit {c}) ---\n{o[-3000:]}" for i, (c, o) in enumerate(zip(codes, outs))))
+            f"--- node {i} (exit {c}) ---\n{_ends(o)}" for i, (c, o) in enumerate(zip(codes, outs))))
     return outs
+
+
+def _ends(text: str, head: int = 2000, tail: int = 2500) -> str:
+    """The start (where the first error usually is) and the end (torchrun's summary) of a long output."""
+    return text if len(text) <= head + tail else f"{text[:head]}\n[...]\n{text[-tail:]}"
 
 
 def run_torchrun(worker: Path, out_dir: Path, timeout: float = 120.0, args: tuple[str, ...] = (), nproc: int = 2) -> None:

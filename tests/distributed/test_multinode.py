@@ -93,3 +93,13 @@ def test_example_recipe_on_two_nodes_trains_like_one_process(tmp_path):
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     init = torch.zeros(())  # the adapter moved: lora_B starts at zero
     assert any(not torch.equal(v, init.expand_as(v)) for k, v in b.items() if "lora_B" in k)
+
+
+def test_a_failed_rank_ends_every_node_with_its_output():
+    """One rank of node 1 exits while the others wait in a collective: the launch fails (an agent whose
+    rank failed ends the job; the launcher kills every agent on the first failure, or at its timeout)
+    and the failure shows each node's output, the failed rank's message included."""
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("needs torch.distributed with gloo")
+    with pytest.raises(AssertionError, match=r"(?s)--- node 1 \(exit 1\) ---\nrank 3 on node 1 gives up"):
+        torchrun_nodes(Path(__file__).with_name("_multinode_fail_worker.py"), nnodes=2, nproc=2, timeout=240)
