@@ -70,8 +70,8 @@ shards stay there:
 
 The quantizer's own temporaries are not counted (on the GPU when the device quantizes; on the
 CPU, ``ftlib.kernels.nf4_ref.quantize_nf4`` makes fp32 and int32 copies of the tensor it
-quantizes: its peak resident memory rose 12.2 bytes per weight above a 4096 x 8192 bf16 weight,
-measured), nor the page cache of the files.
+quantizes: its peak resident memory rose 12.1-12.4 bytes per weight above the bf16 weight,
+measured by ``benchmarks/bench_nf4_host_memory.py``), nor the page cache of the files.
 
 Not counted: the CUDA context and allocator fragmentation (measured peaks run some 5-15% above
 ``max_memory_allocated``), communication buffers of NCCL, DoRA's extra activations, the
