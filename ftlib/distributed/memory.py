@@ -97,7 +97,7 @@ import torch
 
 from ..losses import auto_chunk_size
 
-__all__ = ["METHODS", "PRESETS", "MemoryEstimate", "activation_bytes_per_token", "estimate_memory", "load_config"]
+__all__ = ["METHODS", "MemoryEstimate", "PRESETS", "activation_bytes_per_token", "estimate_memory", "load_config"]
 
 METHODS = ("full", "lora", "qlora")
 GiB = 2**30
