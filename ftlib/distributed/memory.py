@@ -17,8 +17,8 @@ rank r rows ``[r c, (r + 1) c)`` of every tensor, c = ceil(rows / S) for a shard
   backward also the largest unit's unsharded fp32 gradient before its reduce-scatter. An untied
   input embedding is a unit of its own, gathered with the root and block 0 before any
   activation exists (and, when trained, again with its fp32 gradient after they are freed):
-  ``gathered_embed`` (70B: a 2 GiB embedding, larger than a 0.4 GiB NF4 block). On one GPU (no sharding): in the forward, autocast's cached bf16 copies of the
-  fp32 weights (full fine-tuning: every weight; freed when the forward ends, as activation
+  ``gathered_embed`` (70B: a 2 GiB embedding, larger than a 0.4 GiB NF4 block). On one GPU
+  (no sharding): in the forward, autocast's cached bf16 copies of the fp32 weights (full fine-tuning: every weight; freed when the forward ends, as activation
   checkpointing keeps none of them). QLoRA adds one dequantized weight (the largest targeted
   linear) in the compute dtype.
 - ``activations``: tensors saved for backward, for ``batch_size * seq_len`` tokens per rank, in
@@ -60,7 +60,7 @@ Host memory while loading (``load_host``, per rank; a node needs it times its ra
 weights are built on the meta device and each rank reads from the safetensors files only the
 rows of every tensor it keeps, one decoder block at a time. A tensor that stays in the load
 dtype (``dtype``) is read as the rank's rows only; a targeted linear that becomes NF4 is read
-whole (NF4 blocks run over the flattened weight, not over rows), quantized, and sharded. With
+whole in the load dtype and quantized, then its flat NF4 tensors are sharded. With
 the rank's shards on the GPU only the block in flight is on the host; with CPU offload the
 shards stay there:
 
@@ -81,7 +81,7 @@ and optimizer bytes equal a 2-rank FSDP2 run's, the NF4 bytes a real ``NF4Linear
 activation formula the tensors autograd saves; the gathered bytes, the totals and the host
 memory are computed, not measured (``benchmarks/bench_memory.py`` checks one GPU's totals).
 
-``PRESETS`` holds the published config.json of a few models (``--model llama-3-70b``), so the
+``PRESETS`` holds the sizes from the published config.json of a few models (``--model llama-3-70b``), so the
 calculator runs without a download.
 """
 
