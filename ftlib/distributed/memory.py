@@ -18,9 +18,10 @@ rank r rows ``[r c, (r + 1) c)`` of every tensor, c = ceil(rows / S) for a shard
   input embedding is a unit of its own, gathered with the root and block 0 before any
   activation exists (and, when trained, again with its fp32 gradient after they are freed):
   ``gathered_embed`` (70B: a 2 GiB embedding, larger than a 0.4 GiB NF4 block). On one GPU
-  (no sharding): in the forward, autocast's cached bf16 copies of the fp32 weights (full fine-tuning: every weight; freed when the forward ends, as activation
-  checkpointing keeps none of them). QLoRA adds one dequantized weight (the largest targeted
-  linear) in the compute dtype.
+  (no sharding): in the forward, autocast's cached bf16 copies of the fp32 weights (full
+  fine-tuning: every weight; freed when the forward ends, as activation checkpointing keeps
+  none of them). QLoRA adds one dequantized weight (the largest targeted linear) in the
+  compute dtype.
 - ``activations``: tensors saved for backward, for ``batch_size * seq_len`` tokens per rank, in
   the compute dtype (2 bytes) unless noted. Per token and decoder block, with an attention
   kernel that keeps q, k, v, its output and the fp32 log-sum-exp (flash-attn, ftlib's Triton
