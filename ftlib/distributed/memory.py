@@ -11,14 +11,17 @@ rank r rows ``[r c, (r + 1) c)`` of every tensor, c = ceil(rows / S) for a shard
   scale: about 0.516 bytes a weight), every other tensor (embeddings, norms, head) in ``dtype``.
 - ``grads``: fp32 gradients of the trainable tensors (sharded like them).
 - ``optimizer``: AdamW's two fp32 moments (8 bytes a trainable weight; ``adamw8bit``: 2).
-- ``gathered``: what is whole for a while, the larger of the forward's and the backward's. On
-  S > 1 ranks (FSDP2, ``mixed_precision="bf16"``): the root unit (head, final norm, a tied
-  embedding) for the whole step and two blocks in the compute dtype (the one computing and the
-  one prefetched); in backward also the largest unit's unsharded fp32 gradient before its
-  reduce-scatter. On one GPU (no sharding): in the forward, autocast's cached bf16 copies of the
-  fp32 weights (full fine-tuning: every weight; freed when the forward ends, as activation
-  checkpointing keeps none of them). QLoRA adds one dequantized weight (the largest targeted
-  linear) in the compute dtype.
+- ``gathered``: what is whole for a while, the largest of three phases. On S > 1 ranks (FSDP2,
+  ``mixed_precision="bf16"``): the root unit (head, final norm, a tied embedding) for the whole
+  step and two blocks in the compute dtype (the one computing and the one prefetched); in
+  backward also the largest unit's unsharded fp32 gradient before its reduce-scatter. An untied
+  input embedding is a unit of its own, gathered with the root and block 0 before any
+  activation exists (and, when trained, again with its fp32 gradient after they are freed):
+  ``gathered_embed`` (70B: a 2 GiB embedding, larger than a 0.4 GiB NF4 block). On one GPU
+  (no sharding): in the forward, autocast's cached bf16 copies of the fp32 weights (full
+  fine-tuning: every weight; freed when the forward ends, as activation checkpointing keeps
+  none of them). QLoRA adds one dequantized weight (the largest targeted linear) in the
+  compute dtype.
 - ``activations``: tensors saved for backward, for ``batch_size * seq_len`` tokens per rank, in
   the compute dtype (2 bytes) unless noted. Per token and decoder block, with an attention
   kernel that keeps q, k, v, its output and the fp32 log-sum-exp (flash-attn, ftlib's Triton
@@ -37,15 +40,50 @@ rank r rows ``[r c, (r + 1) c)`` of every tensor, c = ceil(rows / S) for a shard
   state, computed in forward, and a 4-byte log-sum-exp), and the one [rows, V] fp32 logit block
   of the chunk in flight (``ftlib.losses.auto_chunk_size``: ~64 MiB).
 
-``total`` is the peak: params + optimizer + activations + the larger of the forward's gathered
-bytes and the backward's gathered bytes plus the gradients (the gradients do not exist yet in
-the forward; the activations are counted whole in both phases, an upper bound for the backward).
+``total`` is the peak of the three phases:
+
+    params + optimizer + max(gathered_forward + activations,
+                             grads + gathered_backward + activations,
+                             grads + gathered_embed)
+
+(the activations are counted whole in both block phases, an upper bound for the backward; the
+gradients of earlier micro-batches of a window exist in every phase but the first forward).
+
+CPU offload (``cpu_offload=True``, FSDP2's ``CPUOffloadPolicy``, ``--cpu-offload``): the sharded
+parameters, the sharded gradients and so the optimizer state live in pinned host memory and the
+optimizer steps there. Each unit's shards are copied to the GPU just before its all-gather, so
+on the GPU ``params``, ``grads`` and ``optimizer`` are 0 and ``total`` is the gathered units plus
+the activations; ``host`` (bytes of host memory per rank while training) is what they were:
+
+    host = params + grads + optimizer          (the rank's shards; 0 without offload)
+
+Host memory while loading (``load_host``, per rank; a node needs it times its ranks): the
+weights are built on the meta device and each rank reads from the safetensors files only the
+rows of every tensor it keeps, one decoder block at a time. A tensor that stays in the load
+dtype (``dtype``) is read as the rank's rows only; a targeted linear that becomes NF4 is read
+whole in the load dtype and quantized, then its flat NF4 tensors are sharded. With
+the rank's shards on the GPU only the block in flight is on the host; with CPU offload the
+shards stay there:
+
+    load_host = (params with CPU offload, else 0) + max over units of in_flight(unit)
+    in_flight = sum over the unit's NF4 linears of  out * in * bytes(dtype) + NF4 bytes of out x in
+              + sum over its other tensors of       rank-0 rows * bytes(dtype)
+
+The quantizer's own temporaries are not counted (on the GPU when the device quantizes; on the
+CPU, ``ftlib.kernels.nf4_ref.quantize_nf4`` makes fp32 and int32 copies of the tensor it
+quantizes: its peak resident memory rose 12.1-12.4 bytes per weight above the bf16 weight,
+measured by ``benchmarks/bench_nf4_host_memory.py``), nor the page cache of the files.
 
 Not counted: the CUDA context and allocator fragmentation (measured peaks run some 5-15% above
 ``max_memory_allocated``), communication buffers of NCCL, DoRA's extra activations, the
-optimizer step's temporaries (foreach AdamW: about one trainable-sized fp32 buffer). The
-activation formula is checked in the tests against the tensors autograd actually saves; the
-whole estimate has not been checked against a GPU's ``max_memory_allocated``.
+optimizer step's temporaries (foreach AdamW: about one trainable-sized fp32 buffer), FSDP2's
+all-gather input buffers (one unit's shards). Checked in the tests: the per-rank params, grads
+and optimizer bytes equal a 2-rank FSDP2 run's, the NF4 bytes a real ``NF4Linear``'s, the
+activation formula the tensors autograd saves; the gathered bytes, the totals and the host
+memory are computed, not measured (``benchmarks/bench_memory.py`` checks one GPU's totals).
+
+``PRESETS`` holds the sizes from the published config.json of a few models (``--model llama-3-70b``), so the
+calculator runs without a download.
 """
 
 from __future__ import annotations
@@ -60,10 +98,20 @@ import torch
 
 from ..losses import auto_chunk_size
 
-__all__ = ["METHODS", "MemoryEstimate", "activation_bytes_per_token", "estimate_memory", "load_config"]
+__all__ = ["METHODS", "MemoryEstimate", "PRESETS", "activation_bytes_per_token", "estimate_memory", "load_config"]
 
 METHODS = ("full", "lora", "qlora")
 GiB = 2**30
+_LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 8192,
+           "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
+           "vocab_size": 128256}
+#: the sizes of Meta-Llama-3-8B's and -70B's config.json (Hugging Face meta-llama/Meta-Llama-3-*)
+PRESETS = {
+    "llama-3-8b": _LLAMA3 | {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                             "num_hidden_layers": 32},
+    "llama-3-70b": _LLAMA3 | {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+                              "num_hidden_layers": 80},
+}
 
 
 @dataclass(frozen=True)
@@ -78,29 +126,39 @@ class MemoryEstimate:
     params: int
     grads: int
     optimizer: int
-    gathered: int  # max(gathered_forward, gathered_backward)
+    gathered: int  # max(gathered_forward, gathered_backward, gathered_embed)
     activations: int
     gathered_forward: int
     gathered_backward: int
+    cpu_offload: bool = False
+    host: int = 0  # host bytes per rank while training: the offloaded shards (params + grads + optimizer)
+    load_host: int = 0  # host bytes per rank at the peak of sharded loading
+
+    gathered_embed: int = 0
 
     @property
     def total(self) -> int:
-        """The peak: the forward's gathered copies and the backward's gradients are not alive together."""
-        return self.params + self.optimizer + self.activations + max(self.gathered_forward,
-                                                                     self.grads + self.gathered_backward)
+        """The peak of the three phases (see the module doc)."""
+        return self.params + self.optimizer + max(self.activations + self.gathered_forward,
+                                                  self.activations + self.grads + self.gathered_backward,
+                                                  self.grads + self.gathered_embed)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
 
 
 def load_config(path: str | os.PathLike):
-    """A ``LlamaConfig`` from a config.json file or a folder holding one (a Hugging Face checkpoint)."""
+    """A ``LlamaConfig`` from a config.json file, a folder holding one (a Hugging Face checkpoint) or the
+    name of a ``PRESETS`` entry (when no such file or folder exists)."""
     from ..models.config import LlamaConfig
 
     p = Path(path)
+    if str(path) in PRESETS and not p.exists():
+        return LlamaConfig.from_hf_dict(PRESETS[str(path)], source=f"preset {path}")
     f = p / "config.json" if p.is_dir() else p
     if not f.is_file():
-        raise FileNotFoundError(f"{f}: no config.json (pass a Hugging Face config.json or the folder holding it)")
+        raise FileNotFoundError(f"{f}: no config.json (pass a Hugging Face config.json, the folder holding it, or "
+                                f"one of {', '.join(sorted(PRESETS))})")
     try:
         d = json.loads(f.read_text())
     except json.JSONDecodeError as e:
@@ -147,13 +205,15 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
                     lora_r: int = 16, lora_targets="all-linear", lora_dropout: float = 0.05, use_dora: bool = False,
                     batch_size: int = 1,
                     seq_len: int = 2048, grad_ckpt: bool = True, optimizer: str = "adamw",
-                    dtype: torch.dtype = torch.bfloat16, loss_chunk: int | None = None) -> MemoryEstimate:
+                    dtype: torch.dtype = torch.bfloat16, loss_chunk: int | None = None,
+                    cpu_offload: bool = False) -> MemoryEstimate:
     """Estimate one rank's memory for fine-tuning ``config`` (a ``LlamaConfig`` or a config.json path).
 
     ``method``: full | lora | qlora (NF4 with double quantization). ``gpus``: ranks;
     ``shard_size``: ranks per FSDP2 shard group (HSDP; default all of them). ``use_dora`` adds the
     magnitude vectors (their extra activations are not counted). ``dtype``: the frozen base and
-    compute dtype. ``batch_size`` x ``seq_len``: tokens per micro-batch per rank.
+    compute dtype (and the dtype weights are loaded in). ``batch_size`` x ``seq_len``: tokens per
+    micro-batch per rank. ``cpu_offload``: FSDP2's CPU offload (also on one GPU: FSDP2 on one rank).
     """
     from ..lora import LoRAConfig, plan_lora
     from ..models import LlamaForCausalLM
@@ -178,7 +238,8 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
         _, planned, _ = plan_lora(model, LoRAConfig(r=lora_r, alpha=2 * lora_r, target_modules=lora_targets))
         targets = {name: (mod.out_features, mod.in_features) for name, mod in planned}
     base_b = torch.empty((), dtype=dtype).element_size()
-    comp_b = 2 if s > 1 or method == "full" else base_b  # bf16 compute (FSDP2 mixed precision / autocast)
+    fsdp = s > 1 or cpu_offload  # FSDP2 units (gathered one or two at a time) rather than one whole model
+    comp_b = 2 if fsdp or method == "full" else base_b  # bf16 compute (FSDP2 mixed precision / autocast)
     n_layers = config.num_hidden_layers
 
     def unit_of(name: str) -> str:
@@ -191,6 +252,7 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
 
     persistent = grads = n_params = n_train = 0
     whole: dict[str, int] = {}  # unit -> bytes while gathered (compute form)
+    loading: dict[str, int] = {}  # unit -> host bytes while it is read (see load_host in the module doc)
     grad_whole: dict[str, int] = {}  # unit -> unsharded fp32 gradient bytes
     seen = set()
     for name, p in model.named_parameters():
@@ -199,6 +261,10 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
         seen.add(id(p))
         unit, mod = unit_of(name), name.rpartition(".")[0]
         n_params += p.numel()
+        if method == "qlora" and mod in targets:  # read whole in the load dtype, quantized whole
+            loading[unit] = loading.get(unit, 0) + base_b * p.numel() + sum(b * n for n, b in _nf4_parts(*targets[mod]))
+        else:  # the rank's rows only
+            loading[unit] = loading.get(unit, 0) + base_b * _rows0(p.shape, s)
         if method == "full":
             persistent += 4 * _rows0(p.shape, s)
             grads += 4 * _rows0(p.shape, s)
@@ -226,9 +292,13 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
     opt = (8 if optimizer == "adamw" else 2) * trainable_rank0
 
     blocks = [v for k, v in whole.items() if k.startswith("block")]
-    if s > 1:
-        fwd = whole.get("root", 0) + 2 * max(blocks, default=0)
+    embed_phase = 0
+    if fsdp:  # the root for the whole step, two blocks; the embedding unit before and after them
+        block = max(blocks, default=0)
+        fwd = whole.get("root", 0) + 2 * block
         bwd = fwd + max(grad_whole.values(), default=0)
+        if "embed" in whole:
+            embed_phase = whole["root"] + whole["embed"] + max(block, grad_whole.get("embed", 0))
     else:
         fwd, bwd = 2 * n_train, 0  # autocast's cached bf16 copies of the fp32 (trainable) weights
     if method == "qlora" and targets:
@@ -243,15 +313,28 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
     acts = (n_layers * 2 * h * t + per_block * t) if grad_ckpt else n_layers * per_block * t
     rows = loss_chunk or auto_chunk_size(config.vocab_size)
     acts += (2 * h + 4 + 2 * h + 4) * t + min(rows, t) * config.vocab_size * 4
-    return MemoryEstimate(method, gpus, s, n_params, n_train, persistent, grads, opt, max(fwd, bwd), acts, fwd, bwd)
+    host = persistent + grads + opt if cpu_offload else 0
+    load_host = (persistent if cpu_offload else 0) + max(loading.values(), default=0)
+    if cpu_offload:  # the shards live on the host; only the gathered units and the activations on the GPU
+        persistent = grads = opt = 0
+    return MemoryEstimate(method, gpus, s, n_params, n_train, persistent, grads, opt, max(fwd, bwd, embed_phase), acts,
+                          fwd, bwd, cpu_offload, host, load_host, embed_phase)
 
 
-def format_table(estimates: list[MemoryEstimate]) -> str:
-    """A plain-text table, GiB per rank."""
-    cols = ("params", "grads", "optimizer", "gathered", "activations", "total")
-    head = f"{'method':<7}{'gpus':>5}{'shard':>6}" + "".join(f"{c:>13}" for c in cols)
+def format_table(estimates: list[MemoryEstimate], gpu_gib: float | None = None) -> str:
+    """A plain-text table, GiB per rank: the GPU columns and their ``total``, then the host memory while
+    training (``host``: the offloaded shards) and while loading (``load host``); with ``gpu_gib``, whether
+    ``total`` fits a GPU of that many GiB (nothing left for the CUDA context and fragmentation)."""
+    cols = ("params", "grads", "optimizer", "gathered", "activations", "total", "host", "load host")
+    head = f"{'method':<7}{'gpus':>5}{'shard':>6}{'offload':>8}" + "".join(f"{c:>12}" for c in cols)
+    if gpu_gib is not None:
+        head += f"{f'fits {gpu_gib:g} GiB':>14}"
     lines = [head, "-" * len(head)]
     for e in estimates:
-        d = e.to_dict()
-        lines.append(f"{e.method:<7}{e.gpus:>5}{e.shard_size:>6}" + "".join(f"{d[c] / GiB:>13.2f}" for c in cols))
+        d = e.to_dict() | {"load host": e.load_host}
+        line = f"{e.method:<7}{e.gpus:>5}{e.shard_size:>6}{'cpu' if e.cpu_offload else '-':>8}" + "".join(
+            f"{d[c] / GiB:>12.2f}" for c in cols)
+        if gpu_gib is not None:
+            line += f"{'yes' if e.total <= gpu_gib * GiB else 'no':>14}"
+        lines.append(line)
     return "\n".join(lines)

@@ -140,14 +140,17 @@ def test_cli_prints_the_table_and_json(llama3_8b):
     r = _cli("--model", str(llama3_8b), "--gpus", "1", "8", "--lora-r", "16", "--qlora")
     assert r.returncode == 0, r.stderr
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("qlora")]
-    assert [row[1] for row in rows] == ["1", "8"] and float(rows[1][-1]) < float(rows[0][-1])
+    assert [row[1] for row in rows] == ["1", "8"] and float(rows[1][9]) < float(rows[0][9])  # the total
     assert "8.03B parameters" in r.stdout
     r = _cli("--model", str(llama3_8b.parent), "--gpus", "4", "--json")  # the folder works too; all methods
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert [x["method"] for x in lines] == ["full", "lora", "qlora"] and all(x["gpus"] == 4 for x in lines)
-    for x in lines:  # the peak: the forward's gathered copies and the gradients are not alive together
-        assert x["total"] == x["params"] + x["optimizer"] + x["activations"] + max(
-            x["gathered_forward"], x["grads"] + x["gathered_backward"])
+    for x in lines:  # the peak of three phases: forward, backward, the embedding unit (no activations yet)
+        assert x["total"] == x["params"] + x["optimizer"] + max(
+            x["activations"] + x["gathered_forward"], x["activations"] + x["grads"] + x["gathered_backward"],
+            x["grads"] + x["gathered_embed"])
+        assert x["gathered_embed"] > 0 and x["gathered"] == max(
+            x["gathered_forward"], x["gathered_backward"], x["gathered_embed"])
 
 
 def test_cli_refuses_bad_input(tmp_path, llama3_8b):
@@ -158,3 +161,85 @@ def test_cli_refuses_bad_input(tmp_path, llama3_8b):
     assert r.returncode == 2 and "invalid JSON at line 1" in r.stderr
     r = _cli("--model", str(llama3_8b), "--gpus", "6", "--shard-size", "4")
     assert r.returncode == 2 and "shard_size must divide gpus=6" in r.stderr
+
+
+# ---- CPU offload, host memory while loading, presets -------------------------------------------
+
+
+def test_hand_computed_qlora_rank0_bytes_offload_and_loading():
+    """A 1-block model, NF4 on up_proj only, LoRA r=2 on it, bf16, 2 ranks: every byte of rank 0 by hand."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    kw = dict(method="qlora", gpus=2, lora_r=2, lora_targets=["up_proj"], dtype=torch.bfloat16)
+    plain, off = estimate_memory(cfg, **kw), estimate_memory(cfg, **kw, cpu_offload=True)
+    # up_proj [256, 128] = 32768 weights in NF4, 1-D tensors, rank 0's half of each:
+    #   codes 16384 B -> 8192; absmax 32768 / 64 = 512 blocks of 1 B -> 256;
+    #   second-level fp32 scale per 256 blocks: 2 -> 1 -> 4 B; fp32 offset (1,) -> 4 B; fp32 code table 256 -> 512 B
+    nf4_rank0 = 8192 + 256 + 4 + 4 + 512
+    nf4_whole = 16384 + 512 + 8 + 4 + 1024
+    bf16_rank0 = 2 * (32 * 128      # embed_tokens [64, 128]: 32 rows
+                      + 64 * 128    # q_proj [128, 128]
+                      + 32 * 128    # k_proj [64, 128]
+                      + 32 * 128    # v_proj
+                      + 64 * 128    # o_proj
+                      + 128 * 128   # gate_proj [256, 128]
+                      + 64 * 256    # down_proj [128, 256]
+                      + 3 * 64      # two block norms and the final norm [128]
+                      + 32 * 128)   # lm_head [64, 128]
+    adapters_rank0 = 1 * 128 + 128 * 2  # lora_A [2, 128]: 1 row; lora_B [256, 2]: 128 rows (fp32)
+    assert plain.params == bf16_rank0 + nf4_rank0 + 4 * adapters_rank0 == 141960
+    assert (plain.grads, plain.optimizer) == (4 * adapters_rank0, 8 * adapters_rank0) == (1536, 3072)
+    assert plain.host == 0
+    # offload: the shards move to the host, the GPU keeps the gathered units and the activations
+    assert (off.params, off.grads, off.optimizer) == (0, 0, 0)
+    assert off.host == 141960 + 1536 + 3072
+    assert (off.gathered_forward, off.gathered_backward, off.activations) == (
+        plain.gathered_forward, plain.gathered_backward, plain.activations)
+    assert off.total == off.activations + max(off.gathered_forward, off.gathered_backward) < plain.total
+    # loading, the block in flight: up_proj read whole in bf16 and quantized whole; the rest as rank-0 rows
+    block = 2 * 256 * 128 + nf4_whole + 2 * (64 * 128 + 32 * 128 + 32 * 128 + 64 * 128 + 128 * 128 + 64 * 256 + 2 * 64)
+    assert block == 198412 > 2 * 32 * 128 + 2 * 64  # larger than the embedding's or the root's rows
+    assert plain.load_host == block
+    assert off.load_host == 141960 + block  # the rank's shards stay on the host
+
+
+def test_loading_bytes_of_an_nf4_linear_are_a_real_layers():
+    """The in-flight bytes of a quantized linear: its bf16 weight plus the ``NF4Linear`` made from it."""
+    lin = torch.nn.Linear(70, 100, bias=False).to(torch.bfloat16)
+    layer = NF4Linear.from_linear(lin, double_quant=True)
+    real = lin.weight.nbytes + sum(p.nbytes for p in layer.parameters())
+    cfg = LlamaConfig(vocab_size=8, hidden_size=70, intermediate_size=100, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=34)
+    lora, qlora = (estimate_memory(cfg, method=m, lora_r=1, lora_targets=["up_proj"]) for m in ("lora", "qlora"))
+    assert qlora.load_host - lora.load_host == real - 2 * 70 * 100  # one GPU: every tensor whole either way
+
+
+def test_offload_split_at_70b():
+    """Llama-3-70B QLoRA on 2 GPUs: the offload moves exactly the shards; the NF4 storage is 0.5159 B a weight."""
+    from ftlib.distributed.memory import PRESETS
+
+    cfg = LlamaConfig.from_hf_dict(PRESETS["llama-3-70b"])
+    plain, off = (estimate_memory(cfg, method="qlora", gpus=2, cpu_offload=o) for o in (False, True))
+    assert plain.n_params == 70_553_706_496  # Meta-Llama-3-70B
+    linears = 80 * (2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 28672 * 8192)
+    other = plain.n_params - linears  # embeddings, head, norms: bf16
+    # rank 0's half of: 4-bit codes, 1-byte absmax per 64, fp32 scale per 256 absmax (all sizes divide);
+    # the whole fp32 offset (1,) and half of the 256-entry fp32 code table of each of the 560 linears
+    nf4 = (linears // 2 + linears // 64 + 4 * (linears // 64 // 256)) // 2 + 80 * 7 * (4 + 512)
+    assert plain.params == 2 * other // 2 + nf4 + 4 * (plain.n_trainable // 2)
+    assert 0.5158 < (nf4 - 80 * 7 * 516) / (linears / 2) < 0.5159  # 1/2 + 1/64 + 4/(64 * 256)
+    assert off.host == plain.params + plain.grads + plain.optimizer
+    assert off.load_host == plain.load_host + plain.params
+    assert plain.total > 24 * 2**30 > off.total  # does not fit two 24 GiB GPUs without offload, fits with it
+
+
+def test_cli_70b_recipe_with_and_without_offload():
+    r = _cli("--model", "llama-3-70b", "--gpus", "2", "--qlora", "--cpu-offload", "both", "--gpu-gib", "24")
+    assert r.returncode == 0, r.stderr
+    assert "70.55B parameters" in r.stdout
+    lines = r.stdout.splitlines()
+    head = next(line.split() for line in lines if line.startswith("method"))
+    rows = [line.split() for line in lines if line.startswith("qlora")]
+    assert [row[3] for row in rows] == ["-", "cpu"] and [row[-1] for row in rows] == ["no", "yes"]
+    assert " ".join(head[9:]) == "total host load host fits 24 GiB"
+    assert float(rows[0][9]) > 24 > float(rows[1][9])  # the total
