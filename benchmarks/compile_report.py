@@ -14,6 +14,11 @@ A row is written as soon as its chunk compiles, so an interrupted sweep keeps wh
 
     nice python benchmarks/compile_report.py --out benchmarks/results/compile.csv --jobs 2
     python benchmarks/compile_report.py --selection defaults --targets sm_90,sm_80
+    nice python benchmarks/compile_report.py --kernels lora.fwd,lora.dx --jobs 2   # redo two kernels' rows
+
+With ``--kernels``, only those kernels are compiled and the other rows of ``--out`` (as they were,
+for the selected targets and every other target) are kept, so one kernel's change does not need
+the whole sweep again.
 """
 
 from __future__ import annotations
@@ -40,10 +45,22 @@ def main() -> int:
     ap.add_argument("--targets", default=",".join(cc.TARGETS), help="comma-separated subset of " + ",".join(cc.TARGETS))
     ap.add_argument("--jobs", type=int, default=max(1, min(16, os.cpu_count() or 1)))
     ap.add_argument("--cache-dir", default=None, help="Triton cache (default: a fresh directory for this run)")
+    ap.add_argument("--kernels", default=None, help="comma-separated kernels to redo (e.g. lora.fwd,lora.dx); "
+                    "the other rows of --out are kept")
     ap.add_argument("--chunk", type=int, default=32, help="cases compiled between two CSV flushes")
     args = ap.parse_args()
     targets = set(args.targets.split(","))
     todo = [c for c in cc.list_cases(args.selection) if c.target in targets]
+    kept = []
+    if args.kernels:
+        redo = set(args.kernels.split(","))
+        unknown = redo - {c.kernel for c in todo}
+        if unknown:
+            ap.error(f"--kernels: no such kernel {sorted(unknown)} in the selection")
+        todo = [c for c in todo if c.kernel in redo]
+        if os.path.exists(args.out):
+            with open(args.out, newline="") as fh:
+                kept = [r for r in csv.DictReader(fh) if not (r["kernel"] in redo and r["target"] in targets)]
     # defaults first: an interrupted sweep still has the table that matters most
     todo.sort(key=lambda c: (not c.default, c.target != "sm_90", c.kernel))
     print(f"compile_report: {len(todo)} compiles, {args.jobs} processes", flush=True)
@@ -54,6 +71,7 @@ def main() -> int:
         cache = args.cache_dir or os.path.join(tmp, "triton-cache")
         w = csv.DictWriter(fh, fieldnames=FIELDS)
         w.writeheader()
+        w.writerows(kept)
         for i in range(0, len(todo), args.chunk):
             part = todo[i:i + args.chunk]
             for c, r in zip(part, cc.run_cases(part, jobs=args.jobs, cache_dir=cache)):

@@ -294,9 +294,12 @@ def _fwd_kernel(
 
     # epilogue: + s u B^T over rank chunks (u fp32 [M, R], B [N, R]), accumulated into the main
     # accumulator (and, for DoRA with dropout, into acc_h too): no third full tile in registers.
+    # Not software-pipelined (num_stages=1): R / BLOCK_R is 1-4 iterations against K / BLOCK_K in the
+    # hundreds, and pipelined with the kernel's stages its operands took stages x (BM + BN) x 64 x 2 B
+    # of shared memory (176 KiB at 128 x 128, 4 stages: over sm_89's 99 KiB for ranks > 16).
     if HAS_LORA:
         r_idx = tl.arange(0, BLOCK_R)
-        for r0 in range(0, R, BLOCK_R):
+        for r0 in tl.range(0, R, BLOCK_R, num_stages=1):
             rr = r0 + r_idx
             u = tl.load(U + rows_ld.to(tl.int64)[:, None] * stride_um + rr[None, :], mask=rr[None, :] < R,
                         other=0.0)
@@ -438,10 +441,11 @@ def _bwd_dx_kernel(
     # epilogue: + D * (s v A [+ (g (c - 1)) W]) over rank chunks (v fp32 [M, R], A [R, K]). Without
     # dropout s v A goes into acc; with DoRA and dropout into acc_d (both then take the mask); with
     # dropout alone into a second tile `lora` (the launcher counts two tiles for these configs).
+    # Not software-pipelined, for the forward's reason (shared memory at ranks > 16).
     ks_ld = ks % K
     r_idx = tl.arange(0, BLOCK_R)
     lora = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    for r0 in tl.range(0, R, BLOCK_R, num_stages=1):
         rr = r0 + r_idx
         v = tl.load(V + rows_ld.to(tl.int64)[:, None] * stride_vm + rr[None, :], mask=rr[None, :] < R, other=0.0)
         a = tl.load(A + rr.to(tl.int64)[:, None] * stride_am + ks_ld[None, :], mask=rr[:, None] < R, other=0.0)

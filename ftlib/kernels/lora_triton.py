@@ -145,10 +145,14 @@ def estimate_resources(kind, c, kwargs) -> tuple[int, int]:
     Calibrated against the compiled kernels (``ftlib.kernels.compile_check``; the table is
     ``benchmarks/results/compile.csv``): for every default configuration the estimate is not below
     the compiled shared memory, and the configurations within ``_MAX_ACC_PER_THREAD`` words do not
-    spill on sm_80 / sm_90. Known gap (the full sweep in compile.csv): at rank 64 and 256 the
-    forward / dX autotuning configs with 128 x 128 tiles compile to up to 80 KiB more than this
-    estimate (the rank-r epilogue's operands are staged per pipeline stage there); all of them still
-    fit sm_90 and sm_80, but the estimate should model that before it is trusted for pruning.
+    spill on sm_80 / sm_90. The GEMMs' shared memory is the main loop's operand stages
+    (``num_stages`` x the x and W tiles; NF4 adds the dequantized tile) plus one stage of the rank-r
+    epilogue's operands (u or v, and B or A: ``(BM + width) x BLOCK_R``). The epilogue loop is not
+    software-pipelined (``_lora_kernels``): pipelined, it held ``num_stages`` copies of those operands
+    and ranks > 16 compiled to up to 80 KiB more than this sum (the 128 x 128 x 32 default on sm_89
+    then needed 160 KiB of its 99 KiB). The compiler reuses the main loop's buffers for it, so the
+    sum is an upper bound (``compile.csv``: every configuration of every variant on sm_90, sm_80
+    and sm_89).
     """
     esize = 4 if kwargs["PRECISION"] == "ieee" else 2
     stages, threads, kw = max(c.num_stages, 1), 32 * c.num_warps, c.kwargs
