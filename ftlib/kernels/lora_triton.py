@@ -57,9 +57,7 @@ MAX_RANK = 256  # the skinny kernels keep a whole [tile, R] accumulator in regis
 # Skinny passes (down: u over K; v over N; dB, dA over a token split): memory-bound streams with
 # an accumulator [tile, R] (R padded to a power of two >= 16) held in registers.
 # Known spills of defaults (benchmarks/results/compile.csv, left for now): rank 256's down pass
-# everywhere (see estimate_resources); sm_89 (101 KiB) takes tiles
-# that spill up to 64 B and, for ranks > 16, the 128 x 128 x 32 GEMM tile misses its
-# shared-memory limit (the estimate does not count the rank-64 epilogue there: to be fixed).
+# everywhere (see estimate_resources); on sm_89 (101 KiB) the skinny dB / dA tiles spill 8-16 B.
 # Configurations whose shared memory (estimated below) exceeds the device's, or whose tiles held in
 # registers exceed 128 words per thread, are pruned before timing, so one list serves sm_80,
 # sm_86, sm_89 and sm_90 and every rank up to 256. The first that fits is the one taken without
