@@ -137,15 +137,21 @@ def _work(task) -> _Chunk:
     stats0 = dict(getattr(fmt, "stats", {}))
     ids, masks, lens = [], [], []
     extra: dict[str, list[int]] = {c: [] for c in cols}
-    for item in items:
-        rec = decode_item(item, report)
-        if rec is None:
-            continue
-        out = fmt(rec, item[1], report)
+
+    def records():
+        for item in items:
+            rec = decode_item(item, report)
+            if rec is not None:
+                yield rec, item[1]
+
+    batch = getattr(fmt, "format_batch", None)  # one encode_batch per chunk (formatting.Formatter)
+    outs = batch(records(), report) if batch is not None else [(where, fmt(rec, where, report))
+                                                               for rec, where in records()]
+    for where, out in outs:
         for doc in [] if out is None else out if isinstance(out, list) else [out]:
             got = tuple(sorted(doc.extra)) if doc.extra else ()
             if got != tuple(sorted(cols)):
-                raise ValueError(f"{item[1]}: the formatter gave columns {list(got)}, the config declares "
+                raise ValueError(f"{where}: the formatter gave columns {list(got)}, the config declares "
                                  f"{list(cols)}")
             ids.append(doc.input_ids)
             masks.append(doc.loss_mask)
