@@ -18,6 +18,30 @@ Then, in one run, it measures:
 4. padding fraction of batches of 16 (padded to a multiple of 64) with and without length grouping.
 
 Rows (metric, value, unit, hardware, versions, date) are appended to ``--results``.
+
+Chat cache build vs Hugging Face ``datasets`` (``--chat``, only this)::
+
+    python benchmarks/bench_data.py --chat --corpus /tmp/ftlib_chat --records 50000 --rounds 3 \
+        --results benchmarks/results/data_chat.csv [--before-src OTHER_CHECKOUT]
+
+Generates ``--records`` ChatML conversations (40 % with a system turn, 1-4 user/assistant pairs
+of Zipf pseudo-words, ~500 tokens each) in 4 JSONL shards and trains a byte-level BPE of
+``--vocab`` (32000) tokens with ChatML's special tokens on the first shard (nothing downloaded).
+Both variants use the same template text (ChatML with HF's ``{% generation %}`` around each
+assistant content and its ``<|im_end|>``) and the same tokenizer.json, ``--num-proc`` processes
+and ``TOKENIZERS_PARALLELISM=false``; each round runs every variant in a fresh process, the
+order rotating per round; medians are reported.
+
+* ``ftlib``: ``build_cache(shards, tokenizer, FormatConfig(kind="chat", chat_template=...),
+  num_proc=...)`` (what ``examples/finetune_lora.py`` calls);
+* ``datasets``: ``load_dataset("json", num_proc=...)`` then ``map(batched=True, num_proc=...)``
+  of ``tokenizer.apply_chat_template(batch, tokenize=True, return_dict=True,
+  return_assistant_tokens_mask=True)`` (a ``PreTrainedTokenizerFast`` on the same file), the
+  strongest correct use of it: batched, one render per conversation, Arrow output on disk;
+* ``ftlib-before`` (with ``--before-src``): ``ftlib`` run on another checkout's code.
+
+Timed: from the call to the finished cache / dataset (imports and the tokenizer load excluded).
+The last line compares every record's token ids and loss / assistant masks of the two variants.
 """
 
 from __future__ import annotations
@@ -34,7 +58,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# --chat --before-src DIR runs one variant on the ftlib of another checkout (the code before a change)
+sys.path.insert(0, os.environ.get("BENCH_FTLIB_SRC") or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ftlib.data import (  # noqa: E402
     FormatConfig,
@@ -237,9 +262,9 @@ def _chat_variant(args) -> None:
         lens = np.diff(ids_col.offsets.to_numpy())
         ids = ids_col.values.to_numpy().astype(np.uint16)
         mask = mask_col.values.to_numpy().astype(np.uint8)
-    np.savez(os.path.join(args.corpus, f"dump-{args.chat_variant}.npz"), lens=lens, ids=ids, mask=mask)
+    np.savez(os.path.join(args.corpus, f"dump-{args.label or args.chat_variant}.npz"), lens=lens, ids=ids, mask=mask)
     shutil.rmtree(work, ignore_errors=True)
-    print("RESULT " + json.dumps({"variant": args.chat_variant, "wall": wall, "cpu": cpu, "docs": int(len(lens)),
+    print("RESULT " + json.dumps({"variant": args.label or args.chat_variant, "wall": wall, "cpu": cpu, "docs": int(len(lens)),
                                   "tokens": int(lens.sum()), "loss_tokens": int(mask.sum())}), flush=True)
 
 
@@ -254,13 +279,15 @@ def chat_main(args) -> None:
     mb = sum(os.path.getsize(p) for p in paths) / 2**20
     print(f"chat corpus: {args.records} records, {len(paths)} shards, {mb:.1f} MB, vocab {args.vocab} "
           f"(ready in {time.perf_counter() - t0:.1f}s); num_proc={args.num_proc}, {os.cpu_count()} CPUs")
-    variants = ["ftlib", "datasets"]
+    variants = ["ftlib", "datasets"] + (["ftlib-before"] if args.before_src else [])
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.rounds):
-        for v in variants if r % 2 == 0 else variants[::-1]:
-            cmd = [sys.executable, os.path.abspath(__file__), "--chat-variant", v, "--corpus", args.corpus,
-                   "--results", args.results, "--num-proc", str(args.num_proc), "--vocab", str(args.vocab)]
-            p = subprocess.run(cmd, capture_output=True, text=True)
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:  # each variant leads a round in turn
+            cmd = [sys.executable, os.path.abspath(__file__), "--chat-variant", v.split("-")[0], "--label", v,
+                   "--corpus", args.corpus, "--results", args.results, "--num-proc", str(args.num_proc),
+                   "--vocab", str(args.vocab)]
+            env = dict(os.environ, BENCH_FTLIB_SRC=os.path.abspath(args.before_src)) if v == "ftlib-before" else None
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             if p.returncode or not line:
                 raise SystemExit(f"{v} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
@@ -268,23 +295,29 @@ def chat_main(args) -> None:
             runs[v].append(res)
             print(f"  round {r + 1} {v:<9} {res['wall']:7.1f} s  {res['tokens'] / res['wall']:>9.0f} tok/s  "
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
-    a, b = (np.load(os.path.join(args.corpus, f"dump-{v}.npz")) for v in variants)
+    a, b = (np.load(os.path.join(args.corpus, f"dump-{v}.npz")) for v in variants[:2])
     same = {k: bool(np.array_equal(a[k], b[k])) for k in ("lens", "ids", "mask")}
     eq = (f"equality: docs {len(a['lens'])} vs {len(b['lens'])}, tokens {int(a['lens'].sum())} vs "
           f"{int(b['lens'].sum())}, loss tokens {int(a['mask'].sum())} vs {int(b['mask'].sum())}; per-record "
           f"lengths {'identical' if same['lens'] else 'DIFFER'}, ids {'identical' if same['ids'] else 'DIFFER'}, "
           f"masks {'identical' if same['mask'] else 'DIFFER'} on all {len(a['lens'])} records")
     rows = []
-    print(f"\n{'variant':<10} {'median s':>9} {'tok/s':>10} {'CPU s':>7} {'rounds (s)':<28}")
+    print(f"\n{'variant':<13} {'median s':>9} {'tok/s':>10} {'CPU s':>7} {'rounds (s)':<28}")
     med = {v: statistics.median(x["wall"] for x in runs[v]) for v in variants}
     for v in variants:
         n = runs[v][0]["tokens"]
         cpu = statistics.median(x["cpu"] for x in runs[v])
         rounds = " ".join(f"{x['wall']:.1f}" for x in runs[v])
-        print(f"{v:<10} {med[v]:>9.1f} {n / med[v]:>10.0f} {cpu:>7.1f} {rounds:<28}")
+        print(f"{v:<13} {med[v]:>9.1f} {n / med[v]:>10.0f} {cpu:>7.1f} {rounds:<28}")
         rows.append((v, round(med[v], 2), round(n / med[v]), round(cpu, 1), rounds))
     ratio = med["datasets"] / med["ftlib"]
-    print(f"ftlib speedup vs datasets (median wall): {ratio:.2f}x\n{eq}")
+    print(f"ftlib speedup vs datasets (median wall): {ratio:.2f}x")
+    if args.before_src:
+        c = np.load(os.path.join(args.corpus, "dump-ftlib-before.npz"))
+        same_c = all(np.array_equal(a[k], c[k]) for k in ("lens", "ids", "mask"))
+        print(f"ftlib speedup vs ftlib-before (median wall): {med['ftlib-before'] / med['ftlib']:.2f}x; ftlib-before "
+              f"ids and masks {'identical' if same_c else 'DIFFER'}")
+    print(eq)
     import datasets
     import tokenizers
     import transformers
@@ -316,7 +349,9 @@ def main():
     ap.add_argument("--records", type=int, default=50000, help="--chat: conversations in the corpus")
     ap.add_argument("--rounds", type=int, default=3, help="--chat: alternating rounds (fresh process each)")
     ap.add_argument("--vocab", type=int, default=32000, help="--chat: BPE vocabulary size")
+    ap.add_argument("--before-src", help="--chat: also time the ftlib of this checkout (e.g. before a change)")
     ap.add_argument("--chat-variant", choices=["ftlib", "datasets"], help=argparse.SUPPRESS)
+    ap.add_argument("--label", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.chat_variant:
         return _chat_variant(args)

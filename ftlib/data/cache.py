@@ -52,7 +52,8 @@ Tokenization runs in ``num_proc`` worker processes (``multiprocessing``; the tok
 as its JSON string, ``Tokenizer.to_str`` / ``from_str``, and each worker sets
 ``TOKENIZERS_PARALLELISM=false`` so the Rust thread pool does not oversubscribe the cores). The
 reader streams raw lines to the workers in ~1 MiB chunks with a bounded in-flight window; workers
-decode, parse, format and tokenize, and return ids already in the cache dtype. A shard's chunks
+decode, parse and format a chunk (a formatter with ``format_batch(records, report)``, such as
+``FormatConfig``'s, tokenizes the whole chunk in one batch), and return ids already in the cache dtype. A shard's chunks
 are held until its last one, joined and streamed into the Arrow file (no in-memory copy of the
 file), so host memory peaks near twice the shard's cache size (3 bytes/token with uint16), not
 at int64 copies of it.

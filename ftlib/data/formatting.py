@@ -32,9 +32,16 @@ bound on the 4-message probe conversation below is refused when the ``Formatter`
 Loss mask (``loss_on="assistant"``, the default for chat). The template is rendered with
 every assistant ``content`` wrapped in private-use sentinel characters; the sentinels give the
 exact character spans of assistant content in the rendered text, and are removed (the result
-is checked to equal the plain rendering). Each span is extended over the *turn end* that
+is checked to equal the plain rendering). A template that writes each content only as a whole
+``{{ m['content'] }}`` output and never looks at it otherwise (``ftlib._jinja.content_passthrough``,
+a conservative check of the parsed template: ``chatml`` and most ChatML-style templates pass,
+``llama3``'s ``| trim`` does not) renders the marked conversation as the plain one plus the
+sentinels by construction, so it is rendered once, not twice. Each span is extended over the *turn end* that
 immediately follows it, so the model learns to stop. A token carries loss iff its character
-range (from the tokenizer's offsets) overlaps an assistant span. ``loss_on="all"`` puts every
+range (from the tokenizer's offsets) overlaps an assistant span. ``Formatter.format_batch``
+encodes many records in one ``Tokenizer.encode_batch`` call and builds their masks in one
+vectorised pass (same documents, same reports, in strict mode the first problem in record order
+is raised); the token cache formats each chunk of records that way. ``loss_on="all"`` puts every
 token in the loss. A record with an empty assistant turn is reported as ``empty_response``:
 with loss on assistant turns only, that turn would teach the model to answer with nothing.
 
