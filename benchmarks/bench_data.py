@@ -18,6 +18,30 @@ Then, in one run, it measures:
 4. padding fraction of batches of 16 (padded to a multiple of 64) with and without length grouping.
 
 Rows (metric, value, unit, hardware, versions, date) are appended to ``--results``.
+
+Chat cache build vs Hugging Face ``datasets`` (``--chat``, only this)::
+
+    python benchmarks/bench_data.py --chat --corpus /tmp/ftlib_chat --records 50000 --rounds 3 \
+        --results benchmarks/results/data_chat.csv [--before-src OTHER_CHECKOUT]
+
+Generates ``--records`` ChatML conversations (40 % with a system turn, 1-4 user/assistant pairs
+of Zipf pseudo-words, ~500 tokens each) in 4 JSONL shards and trains a byte-level BPE of
+``--vocab`` (32000) tokens with ChatML's special tokens on the first shard (nothing downloaded).
+Both variants use the same template text (ChatML with HF's ``{% generation %}`` around each
+assistant content and its ``<|im_end|>``) and the same tokenizer.json, ``--num-proc`` processes
+and ``TOKENIZERS_PARALLELISM=false``; each round runs every variant in a fresh process, the
+order rotating per round; medians are reported.
+
+* ``ftlib``: ``build_cache(shards, tokenizer, FormatConfig(kind="chat", chat_template=...),
+  num_proc=...)`` (what ``examples/finetune_lora.py`` calls);
+* ``datasets``: ``load_dataset("json", num_proc=...)`` then ``map(batched=True, num_proc=...)``
+  of ``tokenizer.apply_chat_template(batch, tokenize=True, return_dict=True,
+  return_assistant_tokens_mask=True)`` (a ``PreTrainedTokenizerFast`` on the same file), the
+  strongest correct use of it: batched, one render per conversation, Arrow output on disk;
+* ``ftlib-before`` (with ``--before-src``): ``ftlib`` run on another checkout's code.
+
+Timed: from the call to the finished cache / dataset (imports and the tokenizer load excluded).
+The last line compares every record's token ids and loss / assistant masks of the two variants.
 """
 
 from __future__ import annotations
@@ -34,7 +58,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# --chat --before-src DIR runs one variant on the ftlib of another checkout (the code before a change)
+sys.path.insert(0, os.environ.get("BENCH_FTLIB_SRC") or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ftlib.data import (  # noqa: E402
     FormatConfig,
@@ -132,6 +157,187 @@ def best_of(n, fn, *a, **k):
     return runs[0][0], min(t for _, t in runs)
 
 
+# ---- chat cache build: ftlib vs Hugging Face datasets (--chat) ---------------------------------
+CHATML_GENERATION = (  # ChatML (as the built-in "chatml"), HF's {% generation %} around content + turn end
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def generate_chat_corpus(out: str, n_records: int, n_shards: int = 4, seed: int = 0) -> list[str]:
+    """``n_records`` ChatML conversations (optional system, 1-4 user/assistant pairs) in JSONL shards."""
+    marker = os.path.join(out, f".done-{n_records}")
+    paths = [os.path.join(out, f"chat-{k:02d}.jsonl") for k in range(n_shards)]
+    if os.path.exists(marker):
+        return paths
+    os.makedirs(out, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    vocab = np.array(["".join(rng.choice(letters, rng.integers(2, 10))) for _ in range(30000)]
+                     + [",", ".", "?", "!", "1984", "42", "\n", "\n\n- "])
+    p = 1.0 / np.arange(1, len(vocab) + 1) ** 1.05
+    p /= p.sum()
+
+    def text(median_words):
+        n = max(1, int(rng.lognormal(np.log(median_words), 0.9)))
+        return " ".join(vocab[rng.choice(len(vocab), n, p=p)].tolist()).replace(" \n", "\n")
+
+    files = [open(pth, "w") for pth in paths]
+    for i in range(n_records):
+        msgs = [{"role": "system", "content": text(20)}] if rng.random() < 0.4 else []
+        for _ in range(int(rng.integers(1, 5))):
+            msgs += [{"role": "user", "content": text(40)}, {"role": "assistant", "content": text(70)}]
+        files[i % n_shards].write(json.dumps({"messages": msgs}) + "\n")
+    for f in files:
+        f.close()
+    open(marker, "w").close()
+    return paths
+
+
+def train_chat_tokenizer(paths: list[str], out: str, vocab_size: int = 32000) -> str:
+    """A byte-level BPE with ChatML's special tokens, trained on the corpus' first shard; path of tokenizer.json."""
+    path = os.path.join(out, f"tokenizer-{vocab_size}.json")
+    if os.path.exists(path):
+        return path
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tr = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                             show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+
+    def sample():
+        with open(paths[0]) as f:
+            for i, line in enumerate(f):
+                if i >= 4000:
+                    break
+                for m in json.loads(line)["messages"]:
+                    yield m["content"]
+
+    tok.train_from_iterator(sample(), tr)
+    tok.save(path)
+    return path
+
+
+def _chat_variant(args) -> None:
+    """One timed build in this (fresh) process; prints a JSON line; dumps ids/masks for the equality check."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # num_proc processes on the cores, no thread pool on top
+    from tokenizers import Tokenizer
+
+    paths = sorted(os.path.join(args.corpus, "jsonl", f) for f in os.listdir(os.path.join(args.corpus, "jsonl"))
+                   if f.endswith(".jsonl"))
+    tok_path = os.path.join(args.corpus, f"tokenizer-{args.vocab}.json")
+    work = os.path.join(args.corpus, f"out-{args.chat_variant}")
+    shutil.rmtree(work, ignore_errors=True)
+    if args.chat_variant == "ftlib":
+        tok = Tokenizer.from_file(tok_path)
+        cfg = FormatConfig(kind="chat", chat_template=CHATML_GENERATION)  # the same template text
+        cache, wall, cpu = cpu_timed(build_cache, paths, tok, cfg, work, num_proc=args.num_proc, progress=False)
+        lens = cache.lengths
+        ids = np.concatenate([a for _, a, _ in cache.shard_arrays()])
+        mask = np.concatenate([m for _, _, m in cache.shard_arrays()])
+    else:
+        import datasets
+        from transformers import PreTrainedTokenizerFast
+
+        datasets.disable_progress_bars()
+        hf_tok = PreTrainedTokenizerFast(tokenizer_file=tok_path, chat_template=CHATML_GENERATION)
+
+        def fmt(batch):
+            out = hf_tok.apply_chat_template(batch["messages"], tokenize=True, return_dict=True,
+                                             return_assistant_tokens_mask=True)
+            return {"input_ids": out["input_ids"], "assistant_masks": out["assistant_masks"]}
+
+        def run():
+            ds = datasets.load_dataset("json", data_files=paths, split="train", cache_dir=work,
+                                       num_proc=args.num_proc)
+            return ds.map(fmt, batched=True, num_proc=args.num_proc, remove_columns=["messages"])
+
+        ds, wall, cpu = cpu_timed(run)
+        ids_col = ds.data.column("input_ids").combine_chunks()
+        mask_col = ds.data.column("assistant_masks").combine_chunks()
+        lens = np.diff(ids_col.offsets.to_numpy())
+        ids = ids_col.values.to_numpy().astype(np.uint16)
+        mask = mask_col.values.to_numpy().astype(np.uint8)
+    np.savez(os.path.join(args.corpus, f"dump-{args.label or args.chat_variant}.npz"), lens=lens, ids=ids, mask=mask)
+    shutil.rmtree(work, ignore_errors=True)
+    print("RESULT " + json.dumps({"variant": args.label or args.chat_variant, "wall": wall, "cpu": cpu, "docs": int(len(lens)),
+                                  "tokens": int(lens.sum()), "loss_tokens": int(mask.sum())}), flush=True)
+
+
+def chat_main(args) -> None:
+    """Alternating rounds, a fresh process per variant and round; medians; equality of ids and masks."""
+    import statistics
+    import subprocess
+
+    t0 = time.perf_counter()
+    paths = generate_chat_corpus(os.path.join(args.corpus, "jsonl"), args.records)
+    train_chat_tokenizer(paths, args.corpus, args.vocab)
+    mb = sum(os.path.getsize(p) for p in paths) / 2**20
+    print(f"chat corpus: {args.records} records, {len(paths)} shards, {mb:.1f} MB, vocab {args.vocab} "
+          f"(ready in {time.perf_counter() - t0:.1f}s); num_proc={args.num_proc}, {os.cpu_count()} CPUs")
+    variants = ["ftlib", "datasets"] + (["ftlib-before"] if args.before_src else [])
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for r in range(args.rounds):
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:  # each variant leads a round in turn
+            cmd = [sys.executable, os.path.abspath(__file__), "--chat-variant", v.split("-")[0], "--label", v,
+                   "--corpus", args.corpus, "--results", args.results, "--num-proc", str(args.num_proc),
+                   "--vocab", str(args.vocab)]
+            env = dict(os.environ, BENCH_FTLIB_SRC=os.path.abspath(args.before_src)) if v == "ftlib-before" else None
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+            if p.returncode or not line:
+                raise SystemExit(f"{v} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+            res = json.loads(line[0][7:])
+            runs[v].append(res)
+            print(f"  round {r + 1} {v:<9} {res['wall']:7.1f} s  {res['tokens'] / res['wall']:>9.0f} tok/s  "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+    a, b = (np.load(os.path.join(args.corpus, f"dump-{v}.npz")) for v in variants[:2])
+    same = {k: bool(np.array_equal(a[k], b[k])) for k in ("lens", "ids", "mask")}
+    eq = (f"equality: docs {len(a['lens'])} vs {len(b['lens'])}, tokens {int(a['lens'].sum())} vs "
+          f"{int(b['lens'].sum())}, loss tokens {int(a['mask'].sum())} vs {int(b['mask'].sum())}; per-record "
+          f"lengths {'identical' if same['lens'] else 'DIFFER'}, ids {'identical' if same['ids'] else 'DIFFER'}, "
+          f"masks {'identical' if same['mask'] else 'DIFFER'} on all {len(a['lens'])} records")
+    rows = []
+    print(f"\n{'variant':<13} {'median s':>9} {'tok/s':>10} {'CPU s':>7} {'rounds (s)':<28}")
+    med = {v: statistics.median(x["wall"] for x in runs[v]) for v in variants}
+    for v in variants:
+        n = runs[v][0]["tokens"]
+        cpu = statistics.median(x["cpu"] for x in runs[v])
+        rounds = " ".join(f"{x['wall']:.1f}" for x in runs[v])
+        print(f"{v:<13} {med[v]:>9.1f} {n / med[v]:>10.0f} {cpu:>7.1f} {rounds:<28}")
+        rows.append((v, round(med[v], 2), round(n / med[v]), round(cpu, 1), rounds))
+    ratio = med["datasets"] / med["ftlib"]
+    print(f"ftlib speedup vs datasets (median wall): {ratio:.2f}x")
+    if args.before_src:
+        c = np.load(os.path.join(args.corpus, "dump-ftlib-before.npz"))
+        same_c = all(np.array_equal(a[k], c[k]) for k in ("lens", "ids", "mask"))
+        print(f"ftlib speedup vs ftlib-before (median wall): {med['ftlib-before'] / med['ftlib']:.2f}x; ftlib-before "
+              f"ids and masks {'identical' if same_c else 'DIFFER'}")
+    print(eq)
+    import datasets
+    import tokenizers
+    import transformers
+
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "n_cpus": os.cpu_count(), "python": platform.python_version(), "tokenizers": tokenizers.__version__,
+            "datasets": datasets.__version__, "transformers": transformers.__version__,
+            "num_proc": args.num_proc, "records": args.records, "vocab": args.vocab,
+            "tokens": runs["ftlib"][0]["tokens"], "loss_tokens": runs["ftlib"][0]["loss_tokens"]}
+    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+    new = not os.path.exists(args.results)
+    with open(args.results, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(list(meta) + ["variant", "median_s", "tok_per_s", "cpu_s", "rounds_s", "speedup", "equality"])
+        for r in rows:
+            w.writerow(list(meta.values()) + list(r) + [round(ratio, 3), eq])
+    print(f"appended {len(rows)} rows to {args.results} (total {time.perf_counter() - t0:.0f}s)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--corpus", required=True, help="directory for the generated corpus and caches")
@@ -139,7 +345,18 @@ def main():
     ap.add_argument("--size-mb", type=int, default=100)
     ap.add_argument("--num-proc", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--chat", action="store_true", help="only the chat cache build: ftlib vs HF datasets")
+    ap.add_argument("--records", type=int, default=50000, help="--chat: conversations in the corpus")
+    ap.add_argument("--rounds", type=int, default=3, help="--chat: alternating rounds (fresh process each)")
+    ap.add_argument("--vocab", type=int, default=32000, help="--chat: BPE vocabulary size")
+    ap.add_argument("--before-src", help="--chat: also time the ftlib of this checkout (e.g. before a change)")
+    ap.add_argument("--chat-variant", choices=["ftlib", "datasets"], help=argparse.SUPPRESS)
+    ap.add_argument("--label", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.chat_variant:
+        return _chat_variant(args)
+    if args.chat:
+        return chat_main(args)
 
     rows = []
 

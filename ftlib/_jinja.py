@@ -22,8 +22,10 @@ Bounds. The sandbox keeps a template away from internals, not from looping for h
 building a string of gigabytes, so each render is also bounded:
 
 * time: ``max_seconds`` (default ``DEFAULT_MAX_SECONDS`` = 2 s; an ordinary template renders a
-  conversation in well under a millisecond), checked at every iteration of every ``{% for %}``
-  loop and every call (functions, methods, macros, filters);
+  conversation in well under a millisecond), checked at every ``TICK_EVERY``-th (16) of the
+  render's loop iterations and calls together (functions, methods, macros, filters): a render
+  stops at most 15 cheap steps after its deadline, and reading the clock no longer costs as
+  much as the step it guards;
 * size: ``max_chars`` (default ``DEFAULT_MAX_CHARS`` = 4,000,000 characters) for the output and
   for every value the template builds, counted deep (a list of strings weighs its length plus
   its strings' lengths): the results of ``+ * ** %``, of ``~`` concatenation, of every call and
@@ -53,7 +55,7 @@ from functools import lru_cache
 from typing import Any
 
 __all__ = ["BUILTIN_TEMPLATES", "DEFAULT_MAX_CHARS", "DEFAULT_MAX_SECONDS", "TemplateLimitError", "compile_template",
-           "render_chat", "template_text"]
+           "content_passthrough", "render_chat", "template_text"]
 
 BUILTIN_TEMPLATES = {
     "chatml": (
@@ -68,6 +70,7 @@ BUILTIN_TEMPLATES = {
 }
 DEFAULT_MAX_SECONDS = 2.0
 DEFAULT_MAX_CHARS = 4_000_000
+TICK_EVERY = 16  # loop items and calls between two reads of the clock (each read costs about as much as an item)
 _MAX_INT_BITS = 1 << 16
 _NUMBER = re.compile(r"\d+")
 
@@ -94,11 +97,12 @@ def template_text(template: str) -> str:
 class _Budget:
     """The bounds of one render: a deadline and a size limit, checked by the hooks below."""
 
-    __slots__ = ("start", "deadline", "max_seconds", "max_chars")
+    __slots__ = ("start", "deadline", "max_seconds", "max_chars", "ticks")
 
     def __init__(self, max_seconds: float, max_chars: int):
         if not max_seconds > 0 or max_chars < 1:
             raise ValueError(f"max_seconds must be > 0 and max_chars >= 1, got {max_seconds!r}, {max_chars!r}")
+        self.ticks = 0
         self.start = time.monotonic()
         self.deadline = self.start + max_seconds
         self.max_seconds, self.max_chars = max_seconds, int(max_chars)
@@ -107,7 +111,10 @@ class _Budget:
         return time.monotonic() - self.start
 
     def tick(self) -> None:
-        if time.monotonic() > self.deadline:
+        """One loop item or call: the clock is read at every ``TICK_EVERY``-th of the render (all loops and calls
+        together, so nested short loops are counted too)."""
+        self.ticks += 1
+        if self.ticks % TICK_EVERY == 0 and time.monotonic() > self.deadline:
             raise TemplateLimitError(f"chat template rendering exceeded max_seconds={self.max_seconds:g} (stopped "
                                      f"after {self.elapsed():.2f} s; a loop that does not end?)")
 
@@ -373,7 +380,73 @@ def compile_template(template: str):
     env.globals.pop("lipsum", None)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
+    compiled = env.from_string(template)
+    # the tree as written (before the Bounds hooks), for content_passthrough
+    compiled.ftlib_content_passthrough = _passthrough(ImmutableSandboxedEnvironment._parse(env, template, None, None))
+    return compiled
+
+
+_CONTENT_OPAQUE = ("FilterBlock", "Macro", "CallBlock", "AssignBlock", "ScopedEvalContextModifier",
+                   "EvalContextModifier", "With")
+
+
+_LOOP_ATTRS = ("index", "index0", "revindex", "revindex0", "first", "last", "length", "depth", "depth0")
+
+
+def _passthrough(tree) -> bool:
+    """True iff message contents reach the output only as whole ``{{ m['content'] }}`` expressions.
+
+    Conservative syntactic check of a parsed template: ``messages`` appears only as the iterable of
+    ``{% for m in messages %}`` loops (any other use, ``messages[0]``, ``messages | length``, is a no);
+    each such loop name ``m`` is never rebound and is used only as ``m['key']`` / ``m.key`` (no dict
+    methods, no ``m`` alone); ``loop`` is used only for its counters (``loop.previtem`` reaches another
+    message); ``m['content']`` / ``m.content`` appears only as a whole output
+    expression (not in a test, filter, concatenation, ``set``, macro, call or filter block)."""
+    from jinja2 import nodes
+
+    loops = [f for f in tree.find_all(nodes.For) if isinstance(f.iter, nodes.Name) and f.iter.name == "messages"]
+    if not loops or any(not isinstance(f.target, nodes.Name) or f.recursive for f in loops):
+        return False
+    names = {f.target.name for f in loops}
+    targets = {id(f.target) for f in loops}
+    iters = {id(f.iter) for f in loops}
+
+    def ok(node, parent, grandparent, opaque: bool) -> bool:
+        if isinstance(node, nodes.Name) and (node.name in names or node.name == "messages"):
+            if node.ctx != "load":
+                return id(node) in targets
+            if node.name == "messages" and node.name not in names:
+                return id(node) in iters
+            if isinstance(parent, nodes.Getitem) and parent.node is node and isinstance(parent.arg, nodes.Const) \
+                    and isinstance(parent.arg.value, str):
+                key = parent.arg.value
+            elif isinstance(parent, nodes.Getattr) and parent.node is node and not hasattr(dict, parent.attr):
+                key = parent.attr
+            else:
+                return False
+            if key == "content":
+                return not opaque and isinstance(grandparent, nodes.Output) and any(x is parent
+                                                                                     for x in grandparent.nodes)
+            return True
+        if isinstance(node, nodes.Name) and node.name == "loop":  # loop.previtem / nextitem reach other messages
+            return isinstance(parent, nodes.Getattr) and parent.node is node and parent.attr in _LOOP_ATTRS
+        name = type(node).__name__
+        generation = (isinstance(node, nodes.CallBlock) and isinstance(node.call, nodes.Call)
+                      and isinstance(node.call.node, nodes.ExtensionAttribute) and node.call.node.name == "_body")
+        inner = opaque or (name in _CONTENT_OPAQUE and not generation)
+        return all(ok(child, node, parent, inner) for child in node.iter_child_nodes())
+
+    return ok(tree, None, None, False)
+
+
+def content_passthrough(template: str) -> bool:
+    """Whether ``template`` writes each message's content only as is (see ``_passthrough``).
+
+    Then a conversation whose contents are wrapped in marker characters renders as the plain
+    conversation with the markers around each content written, and nothing else differs: the
+    control flow cannot see the contents. ``ftlib.data``'s formatter uses it to render such a
+    template once per record instead of twice (marked, then plain to compare)."""
+    return compile_template(template_text(template)).ftlib_content_passthrough
 
 
 def render_chat(messages: list[dict], template: str, *, add_generation_prompt: bool = False,

@@ -52,7 +52,8 @@ Tokenization runs in ``num_proc`` worker processes (``multiprocessing``; the tok
 as its JSON string, ``Tokenizer.to_str`` / ``from_str``, and each worker sets
 ``TOKENIZERS_PARALLELISM=false`` so the Rust thread pool does not oversubscribe the cores). The
 reader streams raw lines to the workers in ~1 MiB chunks with a bounded in-flight window; workers
-decode, parse, format and tokenize, and return ids already in the cache dtype. A shard's chunks
+decode, parse and format a chunk (a formatter with ``format_batch(records, report)``, such as
+``FormatConfig``'s, tokenizes the whole chunk in one batch), and return ids already in the cache dtype. A shard's chunks
 are held until its last one, joined and streamed into the Arrow file (no in-memory copy of the
 file), so host memory peaks near twice the shard's cache size (3 bytes/token with uint16), not
 at int64 copies of it.
@@ -137,15 +138,21 @@ def _work(task) -> _Chunk:
     stats0 = dict(getattr(fmt, "stats", {}))
     ids, masks, lens = [], [], []
     extra: dict[str, list[int]] = {c: [] for c in cols}
-    for item in items:
-        rec = decode_item(item, report)
-        if rec is None:
-            continue
-        out = fmt(rec, item[1], report)
+
+    def records():
+        for item in items:
+            rec = decode_item(item, report)
+            if rec is not None:
+                yield rec, item[1]
+
+    batch = getattr(fmt, "format_batch", None)  # one encode_batch per chunk (formatting.Formatter)
+    outs = batch(records(), report) if batch is not None else [(where, fmt(rec, where, report))
+                                                               for rec, where in records()]
+    for where, out in outs:
         for doc in [] if out is None else out if isinstance(out, list) else [out]:
             got = tuple(sorted(doc.extra)) if doc.extra else ()
             if got != tuple(sorted(cols)):
-                raise ValueError(f"{item[1]}: the formatter gave columns {list(got)}, the config declares "
+                raise ValueError(f"{where}: the formatter gave columns {list(got)}, the config declares "
                                  f"{list(cols)}")
             ids.append(doc.input_ids)
             masks.append(doc.loss_mask)

@@ -32,9 +32,16 @@ bound on the 4-message probe conversation below is refused when the ``Formatter`
 Loss mask (``loss_on="assistant"``, the default for chat). The template is rendered with
 every assistant ``content`` wrapped in private-use sentinel characters; the sentinels give the
 exact character spans of assistant content in the rendered text, and are removed (the result
-is checked to equal the plain rendering). Each span is extended over the *turn end* that
+is checked to equal the plain rendering). A template that writes each content only as a whole
+``{{ m['content'] }}`` output and never looks at it otherwise (``ftlib._jinja.content_passthrough``,
+a conservative check of the parsed template: ``chatml`` and most ChatML-style templates pass,
+``llama3``'s ``| trim`` does not) renders the marked conversation as the plain one plus the
+sentinels by construction, so it is rendered once, not twice. Each span is extended over the *turn end* that
 immediately follows it, so the model learns to stop. A token carries loss iff its character
-range (from the tokenizer's offsets) overlaps an assistant span. ``loss_on="all"`` puts every
+range (from the tokenizer's offsets) overlaps an assistant span. ``Formatter.format_batch``
+encodes many records in one ``Tokenizer.encode_batch`` call and builds their masks in one
+vectorised pass (same documents, same reports, in strict mode the first problem in record order
+is raised); the token cache formats each chunk of records that way. ``loss_on="all"`` puts every
 token in the loss. A record with an empty assistant turn is reported as ``empty_response``:
 with loss on assistant turns only, that turn would teach the model to answer with nothing.
 
@@ -84,6 +91,7 @@ template decides BOS, ``add_eos`` appends EOS after the rendered conversation).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -97,6 +105,7 @@ from .._jinja import (
     DEFAULT_MAX_CHARS,
     DEFAULT_MAX_SECONDS,
     TemplateLimitError,
+    content_passthrough,
     render_chat,
     template_text,
 )
@@ -248,6 +257,7 @@ class Formatter:
         self.bos_text = config.bos_token if isinstance(config.bos_token, str) else self._id_text(self.bos_id)
         self.eos_text = config.eos_token if isinstance(config.eos_token, str) else self._id_text(self.eos_id)
         self.turn_end = self._resolve_turn_end() if config.kind != "text" else None
+        self._passthrough = config.kind != "text" and content_passthrough(config.chat_template)
         self.stats = {"n_truncated": 0, "n_truncated_tokens": 0}
 
     @property
@@ -346,7 +356,10 @@ class Formatter:
         c = self.cfg
         kw = {"bos_token": self.bos_text or "", "eos_token": self.eos_text or "", "add_generation_prompt": False,
               "max_seconds": c.template_max_seconds, "max_chars": c.template_max_chars}
-        plain = render_chat(msgs, c.chat_template, **kw)
+        # a template that only writes each message's content as is ({{ m['content'] }}, never testing or
+        # transforming it: ftlib._jinja.content_passthrough) renders the marked conversation exactly as the plain
+        # one plus the sentinels: one render instead of two
+        plain = None if self._passthrough else render_chat(msgs, c.chat_template, **kw)
         # a template that trims content sees the sentinels instead of the whitespace: then the content goes in
         # stripped (assistant turns, tool results, or both, as the template trims them)
         for strip_a, strip_t in ((False, False), (True, False), (False, True), (True, True)):
@@ -370,6 +383,11 @@ class Formatter:
                 out.append(part)
                 pos += len(part)
             assistant = [x for x in seps if x in (_S0, _S1)]
+            if plain is None:
+                plain = "".join(out)
+                if assistant == [_S0, _S1] * len(spans):
+                    break
+                plain = render_chat(msgs, c.chat_template, **kw)  # not reached for such a template; checked anyway
             if "".join(out) == plain and assistant == [_S0, _S1] * len(spans):
                 break
         else:
@@ -400,35 +418,106 @@ class Formatter:
             if len(ids) == 0:
                 report.add("empty_document", where, "text encodes to no tokens")
                 return None
-            mask = np.ones(len(ids), dtype=np.uint8)
+            return self._finish(ids, np.ones(len(ids), dtype=np.uint8))
+        prepared = self._prepare(rec, where, report)
+        if prepared is None:
+            return None
+        return self._finish_batch([(where, prepared)], report)[0][1]
+
+    def format_batch(self, records, report: SkipReport) -> list[tuple[str, FormattedDoc | None]]:
+        """``[(location, doc or None)]`` of ``(record, location)`` pairs: the same documents and reports as
+        calling the formatter on each record, with one ``encode_batch`` call for the chat kinds.
+
+        ``records`` may be a generator that reports (decodes) as it goes: in strict mode, a problem raised
+        while reading record j is raised only after the records before j were encoded, so the first
+        problem in record order is the one raised, as with per-record calls."""
+        if self.cfg.kind == "text":
+            return [(where, self(rec, where, report)) for rec, where in records]
+        pending = []
+        try:
+            for rec, where in records:
+                pending.append((where, self._prepare(rec, where, report)))
+        except Exception:
+            self._finish_batch(pending, report)  # a record before the failing one may fail first
+            raise
+        return self._finish_batch(pending, report)
+
+    def _prepare(self, rec: dict, where: str, report: SkipReport) -> tuple[str, list[tuple[int, int]]] | None:
+        """A chat record's (text, assistant spans), or None (reported)."""
+        msgs = self._messages(rec, where, report)
+        if msgs is None:
+            return None
+        try:
+            text, spans, shown = self._render(msgs)
+        except Exception as e:  # template errors name the record, and say why
+            report.add("template_error", where, _reason(e))
+            return None
+        tools = [j for j, m in enumerate(msgs) if m["role"] in _TOOL_ROLES]
+        if shown != len(tools):  # the template drops (or repeats) tool results: the text would misstate them
+            role = msgs[tools[0]]["role"] if tools else "tool"
+            report.add("unsupported_role", where, f"the chat template shows {shown} of the {len(tools)} tool/"
+                       f"function results (first: message {tools[0] if tools else '-'}, role {role!r}); it "
+                       "does not support that role")
+            return None
+        return text, spans
+
+    def _finish_batch(self, pending: list, report: SkipReport) -> list[tuple[str, FormattedDoc | None]]:
+        """Encode the prepared chat records of ``pending`` ([(location, (text, spans) or None)]) in one batch.
+
+        Loss mask, vectorised over the batch: token [a, b) carries loss iff it overlaps an assistant span
+        [s, e), i.e. a < e and b > s. Records are laid end to end in one character axis (one character of
+        gap between records), the spans of each record merged where they overlap (same union), so the
+        spans are sorted and disjoint: the only span a token can overlap is the last one starting before
+        its end."""
+        live = [p for _, p in pending if p is not None]
+        if not live:
+            return [(where, None) for where, _ in pending]
+        texts = [t for t, _ in live]
+        encs = self.tok.encode_batch(texts, add_special_tokens=False)
+        n = np.fromiter((len(e.ids) for e in encs), np.int64, count=len(encs))
+        bounds = np.zeros(len(n) + 1, np.int64)
+        np.cumsum(n, out=bounds[1:])
+        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), np.int64, count=int(bounds[-1]))
+        if self.cfg.loss_on == "all":
+            mask = np.ones(len(ids), np.uint8)
         else:
-            msgs = self._messages(rec, where, report)
-            if msgs is None:
-                return None
-            try:
-                text, spans, shown = self._render(msgs)
-            except Exception as e:  # template errors name the record, and say why
-                report.add("template_error", where, _reason(e))
-                return None
-            tools = [j for j, m in enumerate(msgs) if m["role"] in _TOOL_ROLES]
-            if shown != len(tools):  # the template drops (or repeats) tool results: the text would misstate them
-                role = msgs[tools[0]]["role"] if tools else "tool"
-                report.add("unsupported_role", where, f"the chat template shows {shown} of the {len(tools)} tool/"
-                           f"function results (first: message {tools[0] if tools else '-'}, role {role!r}); it "
-                           "does not support that role")
-                return None
-            enc = self.tok.encode(text, add_special_tokens=False)
-            ids = np.asarray(enc.ids, dtype=np.int64)
-            if c.loss_on == "all":
-                mask = np.ones(len(ids), dtype=np.uint8)
-            else:
-                off = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
-                mask = np.zeros(len(ids), dtype=np.uint8)
-                for s, e in spans:  # token [a, b) overlaps span [s, e)
-                    mask |= ((off[:, 0] < e) & (off[:, 1] > s)).astype(np.uint8)
-            if not mask.any():
+            off = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(e.offsets for e in encs)),
+                              np.int64, count=2 * len(ids)).reshape(-1, 2)
+            base = np.zeros(len(texts), np.int64)
+            np.cumsum([len(t) + 1 for t in texts[:-1]], out=base[1:])
+            off += np.repeat(base, n)[:, None]
+            starts, ends = [], []
+            for b, (_, spans) in zip(base.tolist(), live):
+                for s, e in sorted(spans):
+                    if starts and s + b < ends[-1]:  # overlaps the previous span (of this record: 1 char gap)
+                        ends[-1] = max(ends[-1], e + b)
+                    else:
+                        starts.append(s + b)
+                        ends.append(e + b)
+            k = np.searchsorted(np.asarray(starts, np.int64), off[:, 1], side="left") - 1
+            ends_a = np.asarray(ends + [0], np.int64)  # k = -1 (no span starts before the token) reads the 0
+            mask = ((k >= 0) & (ends_a[k] > off[:, 0])).astype(np.uint8)
+        loss = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])[bounds]
+        has_loss = (loss[1:] - loss[:-1]) > 0
+        out, r = [], 0
+        for where, p in pending:
+            if p is None:
+                out.append((where, None))
+                continue
+            if not has_loss[r]:
                 report.add("no_loss_tokens", where, "no assistant turn to train on")
-                return None
+                out.append((where, None))
+            else:
+                a, b = int(bounds[r]), int(bounds[r + 1])
+                out.append((where, self._finish(ids[a:b], mask[a:b])))
+            r += 1
+        return out
+
+    def _finish(self, ids: np.ndarray, mask: np.ndarray) -> FormattedDoc:
+        """BOS / EOS and truncation of one document's (ids, mask)."""
+        c = self.cfg
+        if not (c.add_bos or self.add_eos or (c.max_length is not None and len(ids) > c.max_length)):
+            return FormattedDoc(ids, mask, False)
         if c.add_bos:
             ids, mask = np.concatenate([[self.bos_id], ids]), np.concatenate([[0], mask]).astype(np.uint8)
         if self.add_eos:
