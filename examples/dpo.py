@@ -75,6 +75,7 @@ from ftlib.data import (
     SkipReport,
     build_pair_cache,
     iter_records,
+    pair_tokens,
     render_chat,
 )
 from ftlib.data.cli import FlagError, FlagParser, data_error_message
@@ -469,8 +470,11 @@ def main(argv=None):
             before = json.loads(before_file.read_text())
 
     # 5. the loop: one iteration = one optimizer step over grad_accum micro-batches.
+    # Rates: real tokens (both sides of every pair, the prompt once per side, no padding: bench_dpo's unit)
+    # and response tokens (the labels, about half of them), per second after this process's first step,
+    # whose one-off costs (the DataLoader start, first-touch allocations) are logged as first_step_s.
     t0 = time.perf_counter()
-    tokens_at_start = tokens_seen
+    real_tokens, t_first, first_step_s = 0, None, None
     train_model.train()
     while step < total:
         epoch, window = divmod(step, steps_per_epoch)
@@ -483,6 +487,7 @@ def main(argv=None):
                 if mfilter is not None:
                     batch = mfilter(batch, step)
                 tokens_seen += int((batch["labels"] != -100).sum())
+                real_tokens += pair_tokens(batch)
                 batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
                 ref = None
                 if loss_fn.needs_reference:  # precomputed values ride in the batch, else a no-grad pass
@@ -513,9 +518,17 @@ def main(argv=None):
                 log(f"held-out at step {step}: " + _fmt(ev))
             if "logps/chosen" in rec and (msg := monitor.update(rec)):
                 log(f"WARNING step {step}: {msg}")
+            now = time.perf_counter()
+            if t_first is None:  # the rate window starts after this process's first step
+                t_first, first_step_s, real_tokens, tokens_seen_0 = now, now - t0, 0, tokens_seen
             if step % args.log_every == 0 or step == total:
-                rate = round((tokens_seen - tokens_at_start) / (time.perf_counter() - t0), 1)
-                log(json.dumps(rec | {"response_tokens_per_s": rate}))
+                rates = {}
+                if first_step_s is not None:  # on the first line logged
+                    rates["first_step_s"], first_step_s = round(first_step_s, 3), None
+                if now > t_first:
+                    rates |= {"tokens_per_s": round(real_tokens / (now - t_first), 1),
+                              "response_tokens_per_s": round((tokens_seen - tokens_seen_0) / (now - t_first), 1)}
+                log(json.dumps(rec | rates))
             if ckpt is not None and ((save_every and step % save_every == 0) or step == total):
                 extra = {**run_extra(settings, loader), "tokens_seen": tokens_seen, "logs": logs,
                          "displacement": monitor.state_dict()}

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ftlib.data import CacheError
-from ftlib.data.packing import pack
-from ftlib.data.pair_batches import collate_pairs_packed, collate_pairs_padded
+from ftlib.data.packing import PackPlan, pack
+from ftlib.data.pair_batches import PairLoader, collate_pairs_packed, collate_pairs_padded, pair_tokens
 from ftlib.lora import LoRAConfig, apply_lora, lora_layers
 from ftlib.models import LlamaConfig, LlamaForCausalLM
 from ftlib.preference import (
@@ -455,6 +455,43 @@ def test_packed_and_padded_dpo_give_the_same_loss_and_gradients(model_type):
     assert (p1.chosen - r1.chosen).abs().max() > 1e-2, "the adapter changed nothing: the check would be vacuous"
     for n in g1:
         torch.testing.assert_close(g1[n], g2[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def _flat_batch(pairs, pair_ids):
+    """The pairs in one row exactly as long as their tokens (no padding), through collate_pairs_packed."""
+    sc, sr = pairs.side_lengths
+    ids = np.asarray(pair_ids, dtype=np.int64)
+    length = (sc[ids] + sr[ids]).astype(np.int64)
+    plan = PackPlan(seq_len=int(length.sum()), row_ptr=np.array([0, len(ids)]), doc=ids,
+                    start=np.zeros(len(ids), np.int64), length=length, stats=None)
+    return collate_pairs_packed(pairs, plan, [0], pad_id=0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_pair_loader_steps_give_the_flat_layouts_losses(num_workers):
+    """The PairLoader path (several padded-tail rows a step, as examples/dpo.py and bench_dpo run it) gives
+    every pair the loss of the same pairs laid flat in one padding-free row, and pair_tokens counts the
+    same real tokens in both (both sides of every pair, no padding)."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [tuple(int(x) for x in torch.randint(1, 12, (3,), generator=g)) for _ in range(14)]
+    pairs = _Pairs(g, shapes, 61)
+    model = _adapted(_tiny_model())
+    sc, sr = pairs.side_lengths
+    loader = PairLoader(pairs, batch_size=2, pad_id=0, seq_len=48, seed=1, drop_last=False, num_workers=num_workers)
+    loss_fn = PreferenceLoss("sigmoid", beta=0.5)
+    seen, padded_steps = [], 0
+    with torch.no_grad():
+        for batch in loader:
+            ids = batch["pair_ids"].numpy()
+            flat = _flat_batch(pairs, ids)
+            padded_steps += int(batch["input_ids"].numel() > flat["input_ids"].numel())
+            assert pair_tokens(batch) == pair_tokens(flat) == int((sc[ids] + sr[ids]).sum())
+            out = [loss_fn(pair_logps(model, b, chunk_size=5), reference_pair_logps(model, b)).losses
+                   for b in (batch, flat)]
+            torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-6)
+            seen += ids.tolist()
+    assert sorted(seen) == list(range(len(shapes)))
+    assert padded_steps and len(loader) > 2, "no step with padding or several rows: the check would be vacuous"
 
 
 def test_disabled_adapter_reference_equals_frozen_base_copy():

@@ -29,7 +29,14 @@ from .formatting import (
 )
 from .loader import TokenLoader, UnitLoader
 from .packing import PackPlan, PackStats, bfd_assign, cpp_available, pack
-from .pair_batches import MarginFilter, PairLoader, collate_pairs_packed, collate_pairs_padded, select_pairs
+from .pair_batches import (
+    MarginFilter,
+    PairLoader,
+    collate_pairs_packed,
+    collate_pairs_padded,
+    pair_tokens,
+    select_pairs,
+)
 from .pairs import (
     CHOSEN_BIT,
     LOSS_BIT,
@@ -101,6 +108,7 @@ __all__ = [
     "pack",
     "pad_collate",
     "padding_fraction",
+    "pair_tokens",
     "parse_hub_spec",
     "render_chat",
     "resolve_hub_dataset",

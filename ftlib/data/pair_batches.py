@@ -53,7 +53,7 @@ from .collate import doc_labels, pad_collate
 from .loader import UnitLoader, lengths_sha256
 from .packing import pack
 
-__all__ = ["MarginFilter", "PairLoader", "collate_pairs_packed", "collate_pairs_padded", "select_pairs"]
+__all__ = ["MarginFilter", "PairLoader", "collate_pairs_packed", "collate_pairs_padded", "pair_tokens", "select_pairs"]
 
 _PER_PAIR = ("pair_ids", "margin", "ref_chosen", "ref_rejected")
 
@@ -118,6 +118,19 @@ def collate_pairs_padded(cache, pair_ids, pad_id: int, *, pad_to_multiple_of: in
     batch = pad_collate(docs, pad_id, pad_to_multiple_of=pad_to_multiple_of, padding_side=padding_side)
     P, keep = len(pair_ids), torch.from_numpy(np.flatnonzero(real))
     return {**batch, "chosen_index": keep, "rejected_index": P + keep, **_pair_extras(cache, pair_ids[real])}
+
+
+def pair_tokens(batch: dict) -> int:
+    """Real tokens of a pair batch: both sequences (prompt + response, the prompt once per side) of
+    every pair it names; padding, padding tails and fillers are not counted. The throughput unit of
+    ``benchmarks/bench_dpo.py`` (response tokens alone, the labels, are about half of it)."""
+    ci, ri = batch["chosen_index"], batch["rejected_index"]
+    if "cu_seqlens" in batch:
+        cu = batch["cu_seqlens"].to(torch.int64)
+        n = cu[1:] - cu[:-1]
+    else:
+        n = batch["attention_mask"].to(torch.int64).sum(1)
+    return int(n[ci].sum() + n[ri].sum())
 
 
 def select_pairs(batch: dict, keep: torch.Tensor, pad_id: int = 0) -> dict:

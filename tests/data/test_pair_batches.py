@@ -14,6 +14,7 @@ from ftlib.data.pair_batches import (
     PairLoader,
     collate_pairs_packed,
     collate_pairs_padded,
+    pair_tokens,
     select_pairs,
 )
 from ftlib.data.pairs import PairConfig, build_pair_cache
@@ -99,6 +100,8 @@ def test_padded_pairs_layout():
     assert b["input_ids"][0, :5].tolist() == pairs.sequence(1, "chosen")[0].tolist()
     assert b["input_ids"][3, :3].tolist() == pairs.sequence(0, "rejected")[0].tolist()
     assert b["attention_mask"].sum(1).tolist() == [5, 5, 9, 3] and b["pair_ids"].tolist() == [1, 0]
+    assert pair_tokens(b) == 5 + 5 + 9 + 3  # both sides of both pairs, no padding
+    assert pair_tokens(select_pairs(b, torch.tensor([False, True]))) == 5 + 3
 
 
 @settings(max_examples=40, deadline=None)
@@ -231,6 +234,9 @@ def test_pair_loader_ranks_yield_equal_counts_with_fillers(packing):
         assert b["pair_ids"].numel() == b["chosen_index"].numel() == b["rejected_index"].numel() == 0
         assert b["margin"].numel() == 0 and (b["labels"] == -100).all()
         assert torch.equal(b["input_ids"], last[0]["input_ids"])
+        assert pair_tokens(b) == 0  # a filler's tokens are not real tokens of any pair
+    sc, sr = pairs.side_lengths
+    assert [pair_tokens(b) for b in last] == [int((sc + sr)[last[0]["pair_ids"]].sum()), 0, 0, 0]
 
 
 @settings(max_examples=30, deadline=None)
