@@ -27,9 +27,39 @@ from ftlib.distributed import (
     init_sharded,
     load_sharded,
     save_sharded_checkpoint,
+    shard_model,
 )
 from ftlib.lora import LoRAConfig
 from ftlib.models import LlamaConfig, SafetensorsReader
+
+IDS = torch.tensor([[3, 17, 5, 40, 2, 9, 33, 11]])
+QLORA = dict(r=3, alpha=8, target_modules="all-linear", quantize="nf4", double_quant=True)
+
+
+def prepare_memory_dir(root: Path, config: dict) -> Path:
+    """Write ``root/model`` (random fp32 weights of ``config``), ``ref.pt`` (one-process logits, plain and
+    QLoRA with seed 0) and ``info.json`` (model, layer and NF4-model sizes in MB) for ``memory``."""
+    from ftlib.lora import apply_lora
+    from ftlib.models import LlamaForCausalLM, save_pretrained
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: the same GEMM blocking, so logits compare bit for bit
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    save_pretrained(model, root / "model", max_shard_size="60MB")
+    n = sum(p.numel() for p in model.parameters())
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    with torch.no_grad():
+        plain = model(IDS)
+        torch.manual_seed(0)
+        apply_lora(model, LoRAConfig(**QLORA), verbose=False)
+        qlora = model(IDS)
+    nf4 = sum(p.numel() * p.element_size() for p in model.parameters())
+    torch.save({"ids": IDS, "plain": plain, "qlora": qlora}, root / "ref.pt")
+    (root / "info.json").write_text(json.dumps({"model_mb": n * 4 / 2**20, "layer_mb": layer * 4 / 2**20,
+                                                "nf4_mb": nf4 / 2**20}))
+    torch.set_num_threads(threads)
+    return root
 
 
 def _status(key: str) -> float:
@@ -59,7 +89,7 @@ def _lora(kind: str):
     if kind == "lora":
         return LoRAConfig(r=3, alpha=8, target_modules="all-linear")
     if kind == "qlora":
-        return LoRAConfig(r=3, alpha=8, target_modules="all-linear", quantize="nf4", double_quant=True)
+        return LoRAConfig(**QLORA)
     if kind == "qlora_single":
         return LoRAConfig(r=3, alpha=8, target_modules=["q_proj", "down_proj"], quantize="nf4", init="gaussian")
     return None
@@ -137,6 +167,13 @@ def memory(out: Path, root: Path, env) -> None:
     _warm_up(out, ids)
     rec: dict = {"rank": rank, "world": world, "model_mb": info["model_mb"], "layer_mb": info["layer_mb"],
                  "nf4_mb": info["nf4_mb"]}
+    if "--baseline" in sys.argv:  # 0. what FSDP loading did before: the whole model per rank, then shard
+        from ftlib.models import load_pretrained
+
+        base = _baseline()
+        root_mod = shard_model(load_pretrained(root / "model", dtype=torch.float32))
+        rec["whole_peak_mb"] = _status("VmHWM") - base
+        del root_mod
     # 1. plain fp32 load
     base = _baseline()
     model, root_mod = load_sharded(str(root / "model"), dtype=torch.float32)

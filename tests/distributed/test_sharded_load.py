@@ -23,6 +23,9 @@ from ftlib.models import LlamaConfig, LlamaForCausalLM, load_pretrained, save_pr
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _torchrun import torchrun  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _sharded_load_worker import prepare_memory_dir  # noqa: E402
+
 WORKER = Path(__file__).with_name("_sharded_load_worker.py")
 TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
@@ -90,35 +93,16 @@ def test_sharded_load_and_meta_init_equal_one_process(tmp_path, nproc):
 
 @pytest.fixture(scope="module")
 def big_model(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("big")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks: the same GEMM blocking, so logits compare bit for bit
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**BIG))
-    save_pretrained(model, root / "model", max_shard_size="60MB")
-    n = sum(p.numel() for p in model.parameters())
-    layer = sum(p.numel() for p in model.model.layers[0].parameters())
-    with torch.no_grad():
-        plain = model(IDS)
-        torch.manual_seed(0)
-        apply_lora(model, LoRAConfig(**LORA["qlora"]), verbose=False)
-        qlora = model(IDS)
-    nf4 = sum(p.numel() * p.element_size() for p in model.parameters())
-    torch.save({"ids": IDS, "plain": plain, "qlora": qlora}, root / "ref.pt")
-    (root / "info.json").write_text(json.dumps({"model_mb": n * 4 / 2**20, "layer_mb": layer * 4 / 2**20,
-                                                "nf4_mb": nf4 / 2**20}))
-    del model
-    torch.set_num_threads(threads)
-    return root
+    return prepare_memory_dir(tmp_path_factory.mktemp("big"), BIG)
 
 
-def run_memory(root: Path, out: Path, nproc: int) -> list[dict]:
+def run_memory(root: Path, out: Path, nproc: int, *extra: str) -> list[dict]:
     """Run the memory phases on ``nproc`` ranks; return each rank's record (and the bounds)."""
     out.mkdir(parents=True, exist_ok=True)
     # a fixed mmap threshold: freed tensors go back to the OS at once, so a baseline is not inflated
     # by an earlier phase's free heap and a peak is not hidden in it
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    torchrun(WORKER, str(out), "memory", str(root), nproc=nproc, timeout=600)
+    torchrun(WORKER, str(out), "memory", str(root), *extra, nproc=nproc, timeout=600)
     recs = [json.loads((out / f"mem-{r}.json").read_text()) for r in range(nproc)]
     for rec in recs:
         share, two = rec["model_mb"] / nproc, 2 * rec["layer_mb"]
