@@ -212,14 +212,6 @@ class _Filler:
                 self.scatter_rows(p, None if quantized is None else quantized._parameters[pname].detach())
         del quantized
 
-    def missing(self) -> list[str]:
-        """Base parameters nothing filled (adapters are filled separately and not listed)."""
-        out = []
-        for n, p in self.lm.named_parameters():
-            if id(p) not in self.filled:
-                out.append(n)
-        return out
-
 
 def _tied(model: nn.Module) -> bool:
     src = getattr(model, _SOURCE, None)
