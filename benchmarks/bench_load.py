@@ -15,6 +15,15 @@ The checkpoint is generated here (random bf16 weights, sharded), of about
     python benchmarks/bench_load.py --csv benchmarks/results/load.csv [--size-mb 200]
 
 Prints a table and appends one row per loader to the CSV (device, versions, date).
+
+``--sharded``: FSDP2 loading on 1, 2 and 4 CPU ranks (torchrun, gloo), one fresh launch per world
+size, through the test worker ``tests/distributed/_sharded_load_worker.py``: per rank, the peak RSS
+above its baseline of the previous recipe (``load_pretrained`` of the whole model, then
+``shard_model``), of ``ftlib.distributed.load_sharded`` (fp32 and QLoRA) and of resuming a sharded
+checkpoint, against the bound ``model / world + 2 layers + allowance``. ``--size-mb`` is then the
+fp32 size (default 250):
+
+    python benchmarks/bench_load.py --sharded --csv benchmarks/results/load_sharded.csv
 """
 
 from __future__ import annotations
@@ -116,11 +125,60 @@ def make_checkpoint(path: str, size_mb: float) -> None:
     save_pretrained(model, path, max_shard_size="64MB")
 
 
+def sharded_main(args) -> None:
+    """The --sharded table: peak RSS per rank while loading on 1, 2, 4 ranks, old recipe vs sharded."""
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    sys.path[:0] = [str(tests), str(tests / "distributed")]
+    from _sharded_load_worker import prepare_memory_dir
+    from test_sharded_load import ALLOWANCE_MB, BIG, run_memory
+
+    size_mb = args.size_mb or 250.0
+    layer_mb = (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816) * 4 / 2**20  # q, o; k, v (GQA 4); MLP
+    layers = max(1, round((size_mb - 64) / layer_mb))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = prepare_memory_dir(Path(tmp) / "ckpt", dict(BIG, num_hidden_layers=layers))
+        for world in (1, 2, 4):
+            recs = run_memory(root, Path(tmp) / f"out{world}", world, "--baseline")
+            for r in recs:
+                rows.append(r)
+    print(f"model: {rows[0]['model_mb']:.0f} MB fp32, {layers} layers of {rows[0]['layer_mb']:.0f} MB; "
+          f"allowance {ALLOWANCE_MB:.0f} MB; peaks are RSS above each rank's baseline")
+    hdr = (f"{'world':>5} {'rank':>4} {'model MB':>8} {'bound MB':>8} {'whole+shard MB':>14} {'sharded MB':>10} "
+           f"{'x whole':>7} {'qlora MB':>8} {'qlora bound':>11} {'resume MB':>9}")
+    print(hdr)
+    for r in rows:
+        print(f"{r['world']:5d} {r['rank']:4d} {r['model_mb']:8.0f} {r['bound_mb']:8.0f} {r['whole_peak_mb']:14.0f} "
+              f"{r['plain_peak_mb']:10.0f} {r['plain_peak_mb'] / r['whole_peak_mb']:7.2f} {r['qlora_peak_mb']:8.0f} "
+              f"{r['qlora_bound_mb']:11.0f} {r['resume_peak_mb']:9.0f}")
+    import torch
+
+    new = not os.path.exists(args.csv)
+    os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+    with open(args.csv, "a", newline="") as f:
+        w = csv.writer(f)
+        keys = ["world", "rank", "model_mb", "layer_mb", "bound_mb", "whole_peak_mb", "plain_peak_mb", "nf4_mb",
+                "qlora_bound_mb", "qlora_peak_mb", "resume_peak_mb", "resume_ckpt_peak_mb"]
+        if new:
+            w.writerow(["date", "device", "python", "torch", *keys])
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        for r in rows:
+            w.writerow([now, f"cpu:{platform.processor() or platform.machine()}", platform.python_version(),
+                        torch.__version__, *[r[k] if isinstance(r[k], int) else f"{r[k]:.1f}" for k in keys]])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", required=True, help="CSV file to append results to")
-    ap.add_argument("--size-mb", type=float, default=200.0, help="approximate checkpoint size (bf16)")
+    ap.add_argument("--size-mb", type=float, default=None, help="approximate checkpoint size (bf16; 200, "
+                    "--sharded: fp32, 250)")
+    ap.add_argument("--sharded", action="store_true", help="FSDP2 sharded loading on 1, 2, 4 CPU ranks")
     args = ap.parse_args()
+    if args.sharded:
+        return sharded_main(args)
+    args.size_mb = args.size_mb or 200.0
 
     import safetensors
     import torch

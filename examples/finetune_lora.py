@@ -34,7 +34,12 @@ data by rank and the loss is normalised by the target tokens of the whole window
   makes it HSDP (shard within groups of N ranks, replicate across them); ``--cpu-offload`` keeps
   parameters, gradients and optimizer state in host memory. Checkpoints are sharded (every rank
   writes its part); the adapter and the merged model are gathered one tensor / layer at a time.
-  ``--eval-generate`` (generation needs the whole model on one rank) is not available here.
+  ``--eval-generate`` (generation needs the whole model on one rank) is not available here. The
+  base loads sharded (``ftlib.distributed.materialize_sharded``): the model is built on the meta
+  device, adapted and sharded, then each rank reads only its rows of each tensor (with --qlora
+  rank 0 quantizes one layer at a time and scatters the NF4 chunks), so no rank ever holds the
+  whole model; the adapters equal a one-process run's for the same --seed. (--dora loads the whole
+  base per rank first: its magnitude vector needs whole weights.)
 
     torchrun --standalone --nproc_per_node=8 examples/finetune_lora.py --engine fsdp \\
         --model meta-llama/Meta-Llama-3-8B-Instruct --data data/chat/ --qlora --grad-ckpt \\
@@ -89,6 +94,8 @@ from ftlib.distributed import (
     export_adapter,
     export_merged,
     init_distributed,
+    materialize_sharded,
+    meta_model,
     shard_model,
     wrap_ddp,
 )
@@ -261,12 +268,14 @@ def prepare_demo(args, out: Path, rank: int, world: int) -> None:
         args.eval_data = [str(out / "demo" / "eval")]
 
 
-def load_model(args, device: torch.device, precision: str):
+def load_model(args, device: torch.device, precision: str, *, meta: bool = False):
     """Base model + tokenizer, adapted with LoRA as the flags say. Weights load straight into the
     compute dtype, tensor by tensor; with --qlora the targeted base weights become NF4 (4 bits +
-    fp32 absmax / 64)."""
+    fp32 absmax / 64). ``meta``: the model is built on the meta device (no weights yet; FSDP fills
+    each rank's shards after sharding)."""
     load_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = load_pretrained(args.model, dtype=load_dtype, device=device)
+    model = meta_model(args.model, dtype=load_dtype) if meta else load_pretrained(args.model, dtype=load_dtype,
+                                                                                  device=device)
     tok = load_tokenizer(args.model)
     if args.grad_ckpt:
         model.set_gradient_checkpointing(every=1, part="block")
@@ -275,7 +284,8 @@ def load_model(args, device: torch.device, precision: str):
                       use_rslora=args.rslora, use_dora=args.dora, quantize="nf4" if args.qlora else None,
                       double_quant=args.qlora)
     apply_lora(model, lcfg, verbose=False)
-    model.to(device)  # adapter weights were created on the base's device; no-op there
+    if not meta:
+        model.to(device)  # adapter weights were created on the base's device; no-op there
     return model, tok
 
 
@@ -516,8 +526,9 @@ def main(argv=None):
     seed_everything(args.seed)
 
     # 1. base model + tokenizer + adapters; the loss module, wrapped for several ranks.
+    sharded_load = args.engine == "fsdp" and not args.dora  # DoRA's magnitude needs the whole base weights
     try:
-        model, tok = load_model(args, device, precision)
+        model, tok = load_model(args, device, precision, meta=sharded_load)
     except (FileNotFoundError, ValueError) as e:  # no such folder or repo, no tokenizer.json, a bad config
         usage_error(f"--model {args.model}: {e}")
     log(str(count_params(model)))  # "trainable params: N / M (x%)"
@@ -531,7 +542,11 @@ def main(argv=None):
     elif args.engine == "fsdp":
         mesh = device_mesh(shard=args.shard_size) if args.shard_size else None
         train_model = shard_model(train_model, mesh=mesh, mixed_precision="bf16" if precision == "bf16" else None,
-                                  reshard_after_forward=not args.no_reshard_after_forward, cpu_offload=args.cpu_offload)
+                                  reshard_after_forward=not args.no_reshard_after_forward, cpu_offload=args.cpu_offload,
+                                  sync_module_states=not sharded_load)
+        if sharded_load:  # each rank reads its own rows; adapters drawn as one process draws them from --seed
+            materialize_sharded(train_model, device="cpu" if args.cpu_offload else device, seed=args.seed)
+            log("base loaded sharded: each rank read only its own rows")
     if world > 1:
         seed_everything(args.seed + rank)
     log(f"{args.engine} on {world} rank(s)" + (f", HSDP shard groups of {args.shard_size}" if args.shard_size else ""))

@@ -132,8 +132,41 @@ def listed_shards_reader(shards_dir: str, listed: set[str]):
     reader would take every ``*.safetensors`` of the directory.
     """
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.futures import Future
 
-    reader = HuggingFaceStorageReader(shards_dir)
+    from ..models import SafetensorsReader
+
+    class _RowReader(HuggingFaceStorageReader):
+        """Reads each request's rows with ``SafetensorsReader.read_rows`` (one byte range, into memory the
+        reader frees) instead of ``safe_open``, whose memory map keeps every page read resident in this
+        process's RSS until the file closes: a resume would hold a second copy of the rank's shards."""
+
+        def read_data(self, plan, planner):
+            per_file: dict[str, list] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for file_name, reqs in per_file.items():
+                with SafetensorsReader(file_name) as f:
+                    for req in reqs:
+                        name, offs, lens = req.storage_index.fqn, list(req.storage_offsets), list(req.lengths)
+                        if offs:
+                            t = f.read_rows(name, offs[0], offs[0] + lens[0])
+                            for d in range(1, len(offs)):
+                                t = t.narrow(d, offs[d], lens[d])
+                        else:
+                            t = f.read(name)
+                        target = planner.resolve_tensor(req).detach()
+                        if target.size() != t.size():
+                            raise AssertionError(f"{file_name}: {name}: stored {tuple(t.shape)}, "
+                                                 f"expected {tuple(target.shape)}")
+                        target.copy_(t)
+                        planner.commit_tensor(req, target)
+                        del t
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
+
+    reader = _RowReader(shards_dir)
     fs = reader.fs
 
     class _Listed:

@@ -1,9 +1,10 @@
 """Multi-GPU training on PyTorch's own engine: FSDP2 / HSDP / DDP, sharded checkpoints, exports, memory.
 
     env = init_distributed()                                   # torchrun sets RANK, WORLD_SIZE, ...
-    model = load_pretrained(path, dtype=torch.bfloat16, device=env.device)
-    apply_lora(model, LoRAConfig(r=16, target_modules="all-linear", quantize="nf4"))   # QLoRA
-    train_model = shard_model(CausalLMLoss(model), mixed_precision="bf16")           # FSDP2
+    model, train_model = load_sharded(path, dtype=torch.bfloat16, wrap=CausalLMLoss,   # FSDP2, each rank
+        lora_config=LoRAConfig(r=16, target_modules="all-linear", quantize="nf4"),      # reads its rows only
+        mixed_precision="bf16")                                                         # (QLoRA: NF4 shards)
+    # (one process's recipe, whole model per rank first: load_pretrained + apply_lora + shard_model)
     opt = TrainOptimizer(make_adamw(param_groups(model, lr=2e-4)))
     ckpt = ShardedCheckpointer("runs/x/checkpoints", keep=3)
     ...                                                         # the usual loop
@@ -12,6 +13,9 @@
     export_merged(train_model, "runs/x/merged")                 # HF format, one layer at a time
 
 Modules: ``sharding`` (``shard_model``, ``wrap_ddp``, ``device_mesh``, ``init_distributed``),
+``sharded_load`` (``load_sharded`` / ``init_sharded``: build on the meta device, adapt, shard, then each
+rank fills only its shards from the safetensors rows it owns or the replayed constructor init;
+``meta_model``, ``materialize_sharded``, ``shard_rows`` are its steps),
 ``checkpoint`` (``ShardedCheckpointer``, built on ``ftlib.checkpoint``'s format; ``load_sharded_checkpoint``
 is ``ftlib.checkpoint.load_checkpoint``, which reads either kind on any number of ranks), ``export``
 (``export_adapter``, ``export_merged``), ``memory`` (``estimate_memory``; the CLI
@@ -21,6 +25,7 @@ is ``ftlib.checkpoint.load_checkpoint``, which reads either kind on any number o
 from .checkpoint import ShardedCheckpointer, load_sharded_checkpoint, save_sharded_checkpoint
 from .export import export_adapter, export_merged
 from .memory import MemoryEstimate, estimate_memory
+from .sharded_load import init_sharded, load_sharded, materialize_sharded, meta_model, shard_rows
 from .sharding import (
     DistEnv,
     decoder_blocks,
@@ -42,10 +47,15 @@ __all__ = [
     "export_adapter",
     "export_merged",
     "init_distributed",
+    "init_sharded",
     "is_rank0",
+    "load_sharded",
     "load_sharded_checkpoint",
+    "materialize_sharded",
+    "meta_model",
     "mixed_precision_policy",
     "save_sharded_checkpoint",
     "shard_model",
+    "shard_rows",
     "wrap_ddp",
 ]

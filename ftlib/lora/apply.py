@@ -203,7 +203,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
         # failure half-way would leave a half-converted model
         for name in others + [n for n, m in targets if isinstance(m, nn.Linear)]:
             w = model.get_submodule(name).weight
-            if not bool(torch.isfinite(w).all()):
+            if not w.is_meta and not bool(torch.isfinite(w).all()):  # meta: checked when it is filled
                 raise ValueError(f"apply_lora: {name}.weight has non-finite values; cannot quantize it to NF4")
 
     for p in model.parameters():

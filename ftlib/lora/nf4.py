@@ -160,12 +160,16 @@ class NF4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, blocksize: int = 64, double_quant: bool = False) -> NF4Linear:
-        """Quantize an ``nn.Linear`` (its dtype becomes the compute dtype)."""
+        """Quantize an ``nn.Linear`` (its dtype becomes the compute dtype). A linear on the ``meta``
+        device gives a meta layer of the right shapes, filled later (``ftlib.distributed``'s sharded
+        loading quantizes the real weight one layer at a time)."""
         w = linear.weight.detach()
         layer = cls(
             linear.in_features, linear.out_features, linear.bias is not None, blocksize=blocksize,
             double_quant=double_quant, compute_dtype=w.dtype, device=w.device,
         )
+        if w.is_meta:
+            return layer
         codes, absmax = quantize_nf4(w, blocksize)
         layer.codes.data = codes
         if double_quant:

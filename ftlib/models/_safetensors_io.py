@@ -28,6 +28,7 @@ the end of the file), each span holding exactly ``prod(shape) * bits / 8`` bytes
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import sys
@@ -62,7 +63,8 @@ def _is_count(x) -> bool:
 
 
 class SafetensorsReader:
-    """Open one file; ``keys()``, ``shape(name)``, ``read(name)``; use as a context manager."""
+    """Open one file; ``keys()``, ``shape(name)``, ``dtype(name)``, ``read(name)``, ``read_rows(name, i, j)``;
+    use as a context manager."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
@@ -141,8 +143,11 @@ class SafetensorsReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name][2]
 
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` as a new CPU tensor in its stored dtype (one allocation, one read)."""
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The torch dtype ``name`` is stored in (None for a format dtype this torch cannot hold)."""
+        return self._entries[name][1]
+
+    def _layout(self, name: str) -> tuple[torch.dtype, tuple[int, ...], int]:
         dname, dtype, shape, begin = self._entries[name]
         if dtype is None:
             raise ValueError(f"{self.path}: tensor {name!r} has dtype {dname}, which this torch cannot hold")
@@ -151,9 +156,11 @@ class SafetensorsReader:
                 raise ValueError(f"{self.path}: tensor {name!r} is F4 {shape}: torch's packed float4 dtype "
                                  "needs an even last dim")
             shape = shape[:-1] + (shape[-1] // 2,)
-        t = torch.empty(shape, dtype=dtype)
+        return dtype, shape, begin
+
+    def _read_into(self, name: str, t: torch.Tensor, offset: int) -> torch.Tensor:
         buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes
-        self._f.seek(self._start + begin)
+        self._f.seek(self._start + offset)
         done = 0
         while done < len(buf):
             got = self._f.readinto(buf[done:])
@@ -161,6 +168,34 @@ class SafetensorsReader:
                 raise self._corrupt(f"tensor {name!r}: file ended while reading")
             done += got
         return t
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` as a new CPU tensor in its stored dtype (one allocation, one read)."""
+        dtype, shape, begin = self._layout(name)
+        return self._read_into(name, torch.empty(shape, dtype=dtype), begin)
+
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``name`` (dim 0), read from the file and nothing else.
+
+        A row-major tensor's rows i..j-1 are the one byte range ``[i, j) * row_bytes`` of its data,
+        so a rank that owns row chunk r reads exactly its chunk (no memory map, no whole tensor).
+        ``out``: a contiguous CPU tensor of the stored dtype and the rows' shape to read into
+        (else a new one). A 0-d tensor has one "row" (``start=0, stop=1`` reads it).
+        """
+        dtype, shape, begin = self._layout(name)
+        rows = shape[0] if shape else 1
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop <= rows):
+            raise ValueError(f"{self.path}: tensor {name!r} has {rows} rows, asked for rows {start}:{stop}")
+        row_shape = tuple(shape[1:])
+        row_bytes = math.prod(row_shape) * dtype.itemsize
+        want = (stop - start,) + row_shape if shape else ()
+        if out is None:
+            out = torch.empty(want, dtype=dtype)
+        elif (tuple(out.shape) != want or out.dtype != dtype or out.device.type != "cpu"
+              or not out.is_contiguous()):
+            raise ValueError(f"{self.path}: tensor {name!r}: out must be a contiguous CPU {dtype} {want}, got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        return self._read_into(name, out, begin + start * row_bytes)
 
     def close(self) -> None:
         self._f.close()

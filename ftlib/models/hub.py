@@ -79,7 +79,7 @@ def read_config(path: Path) -> LlamaConfig:
     return LlamaConfig.from_hf_dict(d, source=str(path))
 
 
-def _weight_files(root: Path) -> dict[str, list[str]]:
+def weight_files(root: Path) -> dict[str, list[str]]:
     """{file path: [tensor names the index assigns to it]}; one file without an index maps to []."""
     index = root / _INDEX
     if index.is_file():
@@ -104,6 +104,11 @@ def _weight_files(root: Path) -> dict[str, list[str]]:
     if single.is_file():
         return {str(single): []}
     raise FileNotFoundError(f"{root}: no {_SINGLE} or {_INDEX} (only safetensors checkpoints are loaded)")
+
+
+def is_ignored(name: str) -> bool:
+    """True for a tensor name loaders pass over (the RoPE ``inv_freq`` buffer old checkpoints saved)."""
+    return bool(_IGNORED.search(name))
 
 
 def set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -135,7 +140,7 @@ def read_weights(model: nn.Module, root: Path, expected: dict[str, torch.Tensor]
     Returns {tensor name: file it came from}; the caller checks what is missing.
     """
     loaded: dict[str, str] = {}
-    for fname, listed in _weight_files(root).items():
+    for fname, listed in weight_files(root).items():
         with SafetensorsReader(fname) as f:
             names = f.keys()
             missing_listed = sorted(set(listed) - set(names))

@@ -349,14 +349,18 @@ class LlamaForCausalLM(nn.Module):
 
     def reset_parameters(self) -> None:
         """Initialise as the reference does: N(0, initializer_range) weights, zero biases, unit norms."""
-        std = self.config.initializer_range
         for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, mean=0.0, std=std)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+            self.init_module(m)
+
+    def init_module(self, m: nn.Module) -> None:
+        """``reset_parameters`` for one module (its own parameters), in the same RNG order."""
+        std = self.config.initializer_range
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
 
     def tie_weights(self) -> None:
         """Share ``lm_head.weight`` with ``model.embed_tokens.weight`` when the config ties them."""

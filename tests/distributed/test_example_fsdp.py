@@ -29,7 +29,7 @@ def launch(out: Path, *extra: str, timeout: float = 300.0) -> str:
 def test_fsdp_demo_trains_checkpoints_and_resumes_bitwise(tmp_path):
     full = tmp_path / "full"
     text = launch(full)
-    assert "fsdp on 2 rank(s)" in text
+    assert "fsdp on 2 rank(s)" in text and "base loaded sharded" in text
     summary = json.loads((full / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["world_size"] == 2
     assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"]
@@ -62,3 +62,11 @@ def test_ddp_engine_runs_the_same_loop(tmp_path):
     assert (out / "adapter" / "adapter_model.safetensors").exists()
     with pytest.raises(AssertionError, match="--compression is a DDP option"):
         launch(tmp_path / "bad", "--compression", "fp16")
+
+
+def test_fsdp_qlora_demo_loads_sharded(tmp_path):
+    out = tmp_path / "qlora"
+    text = launch(out, "--qlora", "--max-steps", "2", "--save-every", "0")
+    assert "base loaded sharded" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["after"]["eval_loss"] < summary["before"]["eval_loss"]

@@ -137,3 +137,42 @@ def test_reader_header_limits_and_unreadable_dtypes(tmp_path):
         assert r.shape("a") == (4,)
         with pytest.raises(ValueError, match="tensor 'a' has dtype F6_E2M3"):
             r.read("a")
+
+
+def test_read_rows_reads_only_its_byte_range(tmp_path):
+    """Rows i:j of a row-major tensor are one byte range: read_rows returns exactly them, reading
+    (j - i) * row_bytes bytes, into a given buffer too; a bad range names the file and tensor."""
+    t = torch.arange(7 * 5 * 3, dtype=torch.float32).reshape(7, 5, 3)
+    b = torch.arange(9, dtype=torch.bfloat16)
+    path = tmp_path / "x.safetensors"
+    save_file({"a": t, "b": b, "s": torch.tensor(2.5)}, str(path))
+    with SafetensorsReader(path) as f:
+        for i, j in [(0, 7), (2, 5), (6, 7), (3, 3)]:
+            assert torch.equal(f.read_rows("a", i, j), t[i:j])
+        assert torch.equal(f.read_rows("b", 4, 9), b[4:])
+        out = torch.empty(2, 5, 3)
+        assert f.read_rows("a", 1, 3, out=out) is out and torch.equal(out, t[1:3])
+        assert f.read_rows("s", 0, 1).item() == 2.5
+        with pytest.raises(ValueError, match=r"x.safetensors: tensor 'a' has 7 rows, asked for rows 5:8"):
+            f.read_rows("a", 5, 8)
+        with pytest.raises(ValueError, match="out must be a contiguous CPU torch.float32"):
+            f.read_rows("a", 0, 2, out=torch.empty(3, 5, 3))
+        sizes = []
+
+        class Counting:  # the open file, counting the bytes asked for
+            def __init__(self, raw):
+                self.raw = raw
+
+            def seek(self, pos):
+                return self.raw.seek(pos)
+
+            def readinto(self, buf):
+                sizes.append(len(buf))
+                return self.raw.readinto(buf)
+
+            def close(self):
+                self.raw.close()
+
+        f._f = Counting(f._f)
+        assert torch.equal(f.read_rows("a", 2, 4), t[2:4])
+        assert sum(sizes) == 2 * 5 * 3 * 4
