@@ -31,15 +31,25 @@ Variants:
   hf-group         transformers (sdpa) + peft, length-grouped dynamic padding (transformers'
                    LengthGroupedSampler, the Trainer's ``group_by_length``, a fixed number of
                    documents per batch: a batch of long documents holds several times the tokens)
-  hf-budget        the same length-grouped order cut into batches of at most ``--seq-len`` padded
-                   tokens (a token budget, as careful users bucket): little padding and a constant
-                   batch size in tokens, the strongest padded configuration here
+  hf-budget        the same length-grouped order cut into batches of at most ``--pad-budget`` x
+                   ``--seq-len`` padded tokens (a token budget, as careful users bucket; 1.125: as
+                   many real tokens per step as a packed row, 97 % of them real)
+  hf-sorted        the whole corpus sorted by length (ties in random order), cut into the same
+                   token-budget batches, the batches shuffled: 99.5 % real tokens, the least
+                   padding a padded layout gets
   hf-packed-xdoc   transformers + peft on ftlib's packed rows through ``position_ids`` only:
                    with sdpa/eager attention transformers does NOT isolate the documents, so
                    tokens attend across document boundaries; shown, marked, never a reference
 
+Every transformers variant runs sdpa attention, no gradient checkpointing, fused AdamW, foreach
+gradient clipping, in fp32 like ftlib. Every worker (both libraries) runs ``--threads`` intra-op
+threads, one inter-op thread, and glibc malloc told to keep freed memory (``--malloc keep``: no
+page faults and zeroing per step).
+
 Rounds alternate the variants (A B C ... A B C ...); the table shows medians over rounds.
-Ratios are against the best *correct* transformers variant (the fastest of hf-pad / hf-group / hf-budget)
+The held-out loss of every correct variant must be within ``--loss-tol`` (``--loss-tol-large``
+at the other vocab sizes) of the best transformers variant's; the script prints the check.
+Ratios are against the best *correct* transformers variant (the fastest of hf-pad / hf-group / hf-budget / hf-sorted)
 and against hf-pad. Throughput is real (non-pad) tokens per second of wall time after the
 warm-up steps; ``tok/CPU-s`` divides by the process's CPU time instead (steadier on a shared
 machine). Peak memory: the process's peak RSS on CPU (ru_maxrss: weights, framework,
@@ -667,6 +677,8 @@ def parse_args(argv=None):
     ap.add_argument("--heldout-docs", type=int, default=200)
     ap.add_argument("--heldout-docs-large", type=int, default=60, help="held-out documents at the other vocab sizes "
                     "(scoring them through a [tokens, V] head dominates a short run there)")
+    ap.add_argument("--layers", type=int, default=None, dest="layers_first", help="decoder layers at the first "
+                    "vocab size (default: the shape's)")
     ap.add_argument("--layers-large", type=int, default=None, help="decoder layers at the other vocab sizes "
                     "(default: the shape's; the head dominates there)")
     ap.add_argument("--pad-budget", type=float, default=1.125, help="hf-budget / hf-sorted: padded tokens per batch "
@@ -786,7 +798,7 @@ def main(argv=None):
     try:
         for vocab in args.vocab:
             first = vocab == args.vocab[0]
-            args.layers = None if first else args.layers_large
+            args.layers = args.layers_first if first else args.layers_large
             base, adapter = make_initial_weights(work, vocab, args)
             results = {v: [] for v in variants}
             for rnd in range(args.rounds if first else args.rounds_large):
@@ -798,7 +810,7 @@ def main(argv=None):
                                 threads=args.threads, tokens=_budget(args, vocab), docs=args.docs,
                                 heldout_docs=args.heldout_docs if first else args.heldout_docs_large,
                                 rows=args.rows, bf16=args.bf16, pad_budget=args.pad_budget, malloc=args.malloc,
-                                layers=None if first else args.layers_large,
+                                layers=args.layers,
                                 seq_len=args.seq_len if first else args.seq_len_large, max_len=args.max_len,
                                 warmup_steps=args.warmup_steps + (1 if v == "ftlib-compile" else 0),
                                 max_s=max(5.0, args.budget_s - (time.perf_counter() - t_start))
