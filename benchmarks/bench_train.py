@@ -31,15 +31,25 @@ Variants:
   hf-group         transformers (sdpa) + peft, length-grouped dynamic padding (transformers'
                    LengthGroupedSampler, the Trainer's ``group_by_length``, a fixed number of
                    documents per batch: a batch of long documents holds several times the tokens)
-  hf-budget        the same length-grouped order cut into batches of at most ``--seq-len`` padded
-                   tokens (a token budget, as careful users bucket): little padding and a constant
-                   batch size in tokens, the strongest padded configuration here
+  hf-budget        the same length-grouped order cut into batches of at most ``--pad-budget`` x
+                   ``--seq-len`` padded tokens (a token budget, as careful users bucket; 1.125: as
+                   many real tokens per step as a packed row, 97 % of them real)
+  hf-sorted        the whole corpus sorted by length (ties in random order), cut into the same
+                   token-budget batches, the batches shuffled: 99.5 % real tokens, the least
+                   padding a padded layout gets
   hf-packed-xdoc   transformers + peft on ftlib's packed rows through ``position_ids`` only:
                    with sdpa/eager attention transformers does NOT isolate the documents, so
                    tokens attend across document boundaries; shown, marked, never a reference
 
+Every transformers variant runs sdpa attention, no gradient checkpointing, fused AdamW, foreach
+gradient clipping, in fp32 like ftlib. Every worker (both libraries) runs ``--threads`` intra-op
+threads, one inter-op thread, and glibc malloc told to keep freed memory (``--malloc keep``: no
+page faults and zeroing per step).
+
 Rounds alternate the variants (A B C ... A B C ...); the table shows medians over rounds.
-Ratios are against the best *correct* transformers variant (the fastest of hf-pad / hf-group / hf-budget)
+The held-out loss of every correct variant must be within ``--loss-tol`` (``--loss-tol-large``
+at the other vocab sizes) of the best transformers variant's; the script prints the check.
+Ratios are against the best *correct* transformers variant (the fastest of hf-pad / hf-group / hf-budget / hf-sorted)
 and against hf-pad. Throughput is real (non-pad) tokens per second of wall time after the
 warm-up steps; ``tok/CPU-s`` divides by the process's CPU time instead (steadier on a shared
 machine). Peak memory: the process's peak RSS on CPU (ru_maxrss: weights, framework,
@@ -79,8 +89,13 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-VARIANTS = ["ftlib", "ftlib-compile", "hf-pad", "hf-group", "hf-budget", "hf-packed-xdoc"]
-CORRECT_HF = ("hf-pad", "hf-group", "hf-budget")
+VARIANTS = ["ftlib", "ftlib-compile", "hf-pad", "hf-group", "hf-budget", "hf-sorted", "hf-packed-xdoc"]
+CORRECT_HF = ("hf-pad", "hf-group", "hf-budget", "hf-sorted")
+# glibc malloc kept from returning freed memory to the OS (every worker, ftlib and transformers alike): no
+# mmap per large tensor, no trimming, so a step reuses the previous step's pages instead of faulting in
+# and zeroing fresh ones (measured: transformers 88k page faults and 5 % system time per step, ftlib
+# 32k and 2 %; both ~0 with these). ``--malloc default`` leaves glibc's defaults.
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(256 << 20)}
 LR = 3e-3
 LORA = dict(r=16, alpha=32, dropout=0.05)
 
@@ -93,7 +108,8 @@ def model_shape(args) -> dict:
     if getattr(args, "gpu_1b", False) or (isinstance(args, dict) and args.get("gpu_1b")):  # Llama-3.2-1B (tied embeddings, rope llama3 scaling left out: random weights)
         return dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                     num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0)
-    return dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
+    layers = args.get("layers") if isinstance(args, dict) else getattr(args, "layers", None)
+    return dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=layers or 6, num_attention_heads=8,
                 num_key_value_heads=4, tie_word_embeddings=False, rope_theta=10000.0)
 
 
@@ -258,6 +274,7 @@ def _train(spec, batches, step_fn, n_real):
     seen = steps = timed_tokens = 0
     flops = 0.0
     losses, t_start, c_start, deadline = [], None, None, time.perf_counter() + spec["max_s"]
+    t0 = time.perf_counter()
     for batch in batches:
         if steps == warm:
             _sync(device)
@@ -278,6 +295,7 @@ def _train(spec, batches, step_fn, n_real):
     tail = losses[-max(1, len(losses) // 4):]
     return {
         "steps": steps, "tokens": seen, "timed_tokens": timed_tokens, "timed_s": elapsed,
+        "warmup_s": (t_start - t0) if t_start is not None else float("nan"),  # warm-up steps (compilation included)
         "tokens_per_s": timed_tokens / elapsed if elapsed > 0 else float("nan"),
         "tokens_per_cpu_s": timed_tokens / cpu if cpu > 0 else float("nan"),  # CPU time of all threads
         "tflops": flops / elapsed / 1e12 if elapsed > 0 else float("nan"),  # model FLOPs (step_flops)
@@ -401,21 +419,27 @@ def worker_hf(spec):
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True)
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=spec["bf16"])
     B = padded_batch_size(train, spec["seq_len"] * spec["rows"])
-    budget = spec["seq_len"] * spec["rows"]
+    budget = int(spec["seq_len"] * spec["rows"] * spec["pad_budget"])  # padded tokens per token-budget batch
 
     def order():
         g = torch.Generator().manual_seed(0)
         epoch = 0
         while True:
             g.manual_seed(epoch)
-            if variant in ("hf-group", "hf-budget"):
+            if variant == "hf-sorted":  # global length sort (ties in random order), batches shuffled below
+                perm = torch.randperm(len(train), generator=g).numpy()
+                idx = perm[np.argsort(train.lengths[perm], kind="stable")].tolist()
+            elif variant in ("hf-group", "hf-budget"):
                 from transformers.trainer_pt_utils import LengthGroupedSampler
 
                 idx = list(LengthGroupedSampler(B, lengths=train.lengths.tolist(), generator=g))
             else:
                 idx = torch.randperm(len(train), generator=g).tolist()
-            if variant == "hf-budget":
-                yield from (pad_batch([train[j] for j in b]) for b in budget_batches(idx, train.lengths, budget))
+            if variant in ("hf-budget", "hf-sorted"):
+                bs = list(budget_batches(idx, train.lengths, budget))
+                if variant == "hf-sorted":
+                    bs = [bs[i] for i in torch.randperm(len(bs), generator=g).tolist()]
+                yield from (pad_batch([train[j] for j in b]) for b in bs)
             else:
                 for i in range(0, len(idx) - B + 1, B):
                     yield pad_batch([train[j] for j in idx[i : i + B]])
@@ -434,7 +458,7 @@ def worker_hf(spec):
         with amp:
             out = model(**batch, use_cache=False)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)  # one multi-tensor pass (CPU default: a loop)
         opt.step()
         opt.zero_grad(set_to_none=True)
         n = int((batch["labels"][:, 1:] != -100).sum())
@@ -469,6 +493,7 @@ def run_worker(spec_json: str, out_path: str):
 
     if spec["device"] == "cpu":
         torch.set_num_threads(spec["threads"])
+        torch.set_num_interop_threads(1)  # neither side runs inter-op parallel work: no idle pool
     torch.manual_seed(0)  # dropout masks: same seed, different kernels -> different draws, same law
     fn = worker_ftlib if spec["variant"].startswith("ftlib") else worker_hf
     t0 = time.perf_counter()
@@ -491,7 +516,8 @@ def make_initial_weights(work: str, vocab: int, args) -> tuple[str, str]:
     from ftlib.lora import LoRAConfig, apply_lora, save_adapter
     from ftlib.models import LlamaConfig, LlamaForCausalLM, save_pretrained
 
-    base, adapter = os.path.join(work, f"base-{vocab}"), os.path.join(work, f"adapter-{vocab}")
+    tag = f"{vocab}-L{model_shape(args)['num_hidden_layers']}"
+    base, adapter = os.path.join(work, f"base-{tag}"), os.path.join(work, f"adapter-{tag}")
     if os.path.exists(os.path.join(adapter, "adapter_config.json")):
         return base, adapter
     torch.manual_seed(0)
@@ -508,7 +534,7 @@ def make_initial_weights(work: str, vocab: int, args) -> tuple[str, str]:
 
 def spawn(spec: dict, work: str) -> dict:
     out = os.path.join(work, f"result-{spec['variant']}-{spec['vocab']}-{spec['round']}.json")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, **(MALLOC_ENV if spec.get("malloc") == "keep" else {}), PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec), "--worker-out", out]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -528,11 +554,11 @@ def _median(rs, key):
 
 
 _KEYS = ("tokens_per_s", "tokens_per_cpu_s", "tflops", "peak_mb", "train_loss", "heldout_loss", "steps", "tokens",
-         "timed_s")
+         "timed_s", "warmup_s")
 
 
-def summarize(vocab, results: dict, variants, peak_tflops=None) -> dict:
-    """Median per variant and the ratios against the best correct transformers variant."""
+def summarize(vocab, results: dict, variants, peak_tflops=None, loss_tol=float("inf")) -> dict:
+    """Median per variant, the ratios against the best correct transformers variant, the held-out check."""
     med = {v: {k: _median(results[v], k) for k in _KEYS} for v in variants}
     hf = [v for v in CORRECT_HF if v in med and not math.isnan(med[v]["tokens_per_s"])]
     best = max(hf, key=lambda v: med[v]["tokens_per_s"]) if hf else None
@@ -562,6 +588,21 @@ def summarize(vocab, results: dict, variants, peak_tflops=None) -> dict:
             cells[5:5] = [f"{m['tflops']:>7.1f}", f"{m['mfu']:>6.1%}"]
         note = "  <- attends across documents (wrong): shown, not a reference" if v == "hf-packed-xdoc" else ""
         print("| " + " | ".join(cells) + " |" + note)
+    for v in variants:
+        med[v]["loss_ok"] = abs(med[v]["loss_rel"]) <= loss_tol  # nan (no baseline) fails
+    checked = [v for v in variants if v != "hf-packed-xdoc"]
+    bad = [v for v in checked if not med[v]["loss_ok"]]
+    print(f"held-out loss check, |relative difference to {best}| <= {loss_tol:.2%}: "
+          + ("all correct variants pass" if not bad else "FAIL: " + ", ".join(
+              f"{v} {med[v]['loss_rel']:+.2%}" for v in bad)))
+    warm = {v: med[v].get("warmup_s") for v in variants if v.startswith("ftlib")}
+    if "ftlib" in warm and "ftlib-compile" in warm:
+        per_step = {v: med[v]["timed_s"] / max(1.0, med[v]["steps"] - (3 if v == "ftlib-compile" else 2))
+                    for v in ("ftlib", "ftlib-compile")}
+        extra = warm["ftlib-compile"] - warm["ftlib"] * 3 / 2  # compile's warm-up has 3 steps, eager's 2
+        saved = per_step["ftlib"] - per_step["ftlib-compile"]
+        print(f"torch.compile: {extra:.0f} s of compilation in the warm-up, {saved:+.2f} s per step afterwards: "
+              + (f"pays back after {extra / saved:.0f} steps" if saved > 0 else "never pays back"))
     return {"best": best, "med": med}
 
 
@@ -580,7 +621,8 @@ def write_csv(path, args, vocab, results, summary, peak_tflops=None):
             w.writerow(["date", "device", "device_name", "threads", "load_avg", "torch", "ftlib", "shape", "vocab",
                         "seq_len", "tokens_budget", "round", "variant", "real_tokens_per_s", "real_tokens_per_cpu_s",
                         "tflops", "mfu", "peak_mb", "train_loss", "heldout_loss", "steps", "timed_s",
-                        "speedup_vs_best_hf", "peak_ratio_vs_best_hf", "heldout_rel_diff", "best_hf", "correct"])
+                        "speedup_vs_best_hf", "peak_ratio_vs_best_hf", "heldout_rel_diff", "best_hf", "correct",
+                        "layers", "warmup_s", "heldout_ok"])
         for v, rs in results.items():
             for i, r in enumerate(rs):
                 if r.get("failed"):
@@ -594,7 +636,9 @@ def write_csv(path, args, vocab, results, summary, peak_tflops=None):
                             r.get("seq_len"), _budget(args, vocab), i, v, f"{r['tokens_per_s']:.1f}",
                             f"{r['tokens_per_cpu_s']:.1f}", f"{r['tflops']:.3f}", f"{mfu:.4f}", f"{r['peak_mb']:.0f}",
                             f"{r['train_loss']:.5f}", f"{r['heldout_loss']:.5f}", r["steps"], f"{r['timed_s']:.2f}",
-                            f"{xb:.3f}", f"{mb:.3f}", f"{lr:.4f}", b, v != "hf-packed-xdoc"])
+                            f"{xb:.3f}", f"{mb:.3f}", f"{lr:.4f}", b, v != "hf-packed-xdoc",
+                            model_shape(args)["num_hidden_layers"], f"{r.get('warmup_s', float('nan')):.1f}",
+                            abs(lr) <= (args.loss_tol if vocab == args.vocab[0] else args.loss_tol_large)])
 
 
 def _budget(args, vocab):
@@ -631,6 +675,20 @@ def parse_args(argv=None):
     ap.add_argument("--seq-len-large", type=int, default=1024, help="the same at the other vocab sizes (their "
                     "[tokens, V] logits dominate memory: transformers keeps several copies)")
     ap.add_argument("--heldout-docs", type=int, default=200)
+    ap.add_argument("--heldout-docs-large", type=int, default=60, help="held-out documents at the other vocab sizes "
+                    "(scoring them through a [tokens, V] head dominates a short run there)")
+    ap.add_argument("--layers", type=int, default=None, dest="layers_first", help="decoder layers at the first "
+                    "vocab size (default: the shape's)")
+    ap.add_argument("--layers-large", type=int, default=None, help="decoder layers at the other vocab sizes "
+                    "(default: the shape's; the head dominates there)")
+    ap.add_argument("--pad-budget", type=float, default=1.125, help="hf-budget / hf-sorted: padded tokens per batch "
+                    "as a multiple of --seq-len x --rows (1.125: ~as many real tokens per step as a packed row)")
+    ap.add_argument("--malloc", default="keep", choices=["keep", "default"], help="keep: every worker's glibc "
+                    "malloc keeps freed memory (no page faults per step); default: glibc's defaults")
+    ap.add_argument("--loss-tol", type=float, default=0.005, help="held-out loss: largest relative difference to "
+                    "the best correct transformers variant that passes (first vocab size)")
+    ap.add_argument("--loss-tol-large", type=float, default=0.015, help="the same at the other vocab sizes (fewer "
+                    "steps on different batches: the order of the data shows)")
     ap.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the timing (3 when compiled)")
     ap.add_argument("--rows", type=int, default=1, help="packed rows of 2048 per micro-batch (padded: as many tokens)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -739,9 +797,10 @@ def main(argv=None):
     peak = device_peak_tflops(args)
     try:
         for vocab in args.vocab:
+            first = vocab == args.vocab[0]
+            args.layers = args.layers_first if first else args.layers_large
             base, adapter = make_initial_weights(work, vocab, args)
             results = {v: [] for v in variants}
-            first = vocab == args.vocab[0]
             for rnd in range(args.rounds if first else args.rounds_large):
                 for v in variants:
                     if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
@@ -749,7 +808,9 @@ def main(argv=None):
                         continue
                     spec = dict(variant=v, vocab=vocab, round=rnd, base=base, adapter=adapter, device=args.device,
                                 threads=args.threads, tokens=_budget(args, vocab), docs=args.docs,
-                                heldout_docs=args.heldout_docs, rows=args.rows, bf16=args.bf16,
+                                heldout_docs=args.heldout_docs if first else args.heldout_docs_large,
+                                rows=args.rows, bf16=args.bf16, pad_budget=args.pad_budget, malloc=args.malloc,
+                                layers=args.layers,
                                 seq_len=args.seq_len if first else args.seq_len_large, max_len=args.max_len,
                                 warmup_steps=args.warmup_steps + (1 if v == "ftlib-compile" else 0),
                                 max_s=max(5.0, args.budget_s - (time.perf_counter() - t_start))
@@ -759,8 +820,9 @@ def main(argv=None):
                     if not r.get("failed"):
                         print(f"  vocab {vocab} round {rnd} {v:<15} {r['tokens_per_s']:8.0f} tok/s  peak "
                               f"{r['peak_mb']:6.0f} MB  held-out {r['heldout_loss']:.4f}  ({r['steps']} steps, "
-                              f"{r['process_s']:.0f} s in all)", flush=True)
-            summaries[vocab] = summarize(vocab, results, variants, peak)
+                              f"{r['process_s']:.0f} s in all, warm-up {r['warmup_s']:.0f} s)", flush=True)
+            summaries[vocab] = summarize(vocab, results, variants, peak,
+                                         args.loss_tol if first else args.loss_tol_large)
             write_csv(os.path.join(args.out, "train.csv"), args, vocab, results, summaries[vocab], peak)
     finally:
         if not args.work_dir:
