@@ -62,8 +62,8 @@ from torch import nn
 from .._dist import get_rank, get_world_size, is_distributed
 from ..checkpoint.sharded import causal_lm
 from ..lora import LoRAConfig, LoRALinear, NF4Linear, apply_lora, get_lora_config, lora_layers
-from ..models import LlamaConfig, LlamaForCausalLM, SafetensorsReader
-from ..models.hub import is_ignored, read_config, resolve_dtype, weight_files
+from ..models import LlamaConfig, LlamaForCausalLM
+from ..models.hub import checkpoint_tensors, read_config, resolve_dtype
 from ..models.tokenizer import resolve_model_dir
 from .sharding import shard_model
 
@@ -230,34 +230,28 @@ def _head_also(f: _Filler, name: str, tied: bool) -> list[tuple[str, object]]:
 
 
 def _fill_from_checkpoint(f: _Filler, root: Path, tied: bool) -> None:
-    for fname, listed in weight_files(root).items():
-        with SafetensorsReader(fname) as r:
-            names = r.keys()
-            missing_listed = sorted(set(listed) - set(names))
-            if missing_listed:
-                raise ValueError(f"{fname}: the index lists tensors this file lacks: {missing_listed[:5]}")
-            for name in names:
-                if is_ignored(name) or (tied and name == "lm_head.weight"):
-                    continue
-                targets = _head_also(f, name, tied)
-                if not targets:
-                    raise ValueError(f"{fname}: unexpected tensor {name!r} (not part of the model)")
-                got = r.shape(name)
-                for kind, t in targets:
-                    want = (t.out_features, t.in_features) if kind == "nf4" else tuple(t.shape)
-                    if got != want:
-                        raise ValueError(f"{fname}: tensor {name!r} has shape {got}, the config expects {want}")
-                    if kind == "nf4":
-                        f.nf4(t, r.read(name) if get_rank() == 0 else None, everywhere=False, name=f"{fname}:{name}")
-                        continue
-                    stored = r.dtype(name)
+    for fname, r, name in checkpoint_tensors(root):
+        if tied and name == "lm_head.weight":
+            continue
+        targets = _head_also(f, name, tied)
+        if not targets:
+            raise ValueError(f"{fname}: unexpected tensor {name!r} (not part of the model)")
+        got = r.shape(name)
+        for kind, t in targets:
+            want = (t.out_features, t.in_features) if kind == "nf4" else tuple(t.shape)
+            if got != want:
+                raise ValueError(f"{fname}: tensor {name!r} has shape {got}, the config expects {want}")
+            if kind == "nf4":
+                f.nf4(t, r.read(name) if get_rank() == 0 else None, everywhere=False, name=f"{fname}:{name}")
+                continue
+            stored = r.dtype(name)
 
-                    def rows(a, b, out, r=r, name=name, stored=stored, t=t):
-                        if out is not None and out.dtype == stored:
-                            return r.read_rows(name, a, b, out=out)
-                        return r.read_rows(name, a, b).to(t.dtype)
+            def rows(a, b, out, r=r, name=name, stored=stored, t=t):
+                if out is not None and out.dtype == stored:
+                    return r.read_rows(name, a, b, out=out)
+                return r.read_rows(name, a, b).to(t.dtype)
 
-                    f.param_rows(t, rows)
+            f.param_rows(t, rows)
 
 
 def _twin(m: nn.Module) -> nn.Module:

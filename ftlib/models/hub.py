@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -111,6 +111,29 @@ def is_ignored(name: str) -> bool:
     return bool(_IGNORED.search(name))
 
 
+def checkpoint_tensors(root: Path) -> Iterator[tuple[str, SafetensorsReader, str]]:
+    """(file, open reader, tensor name) for every tensor stored under ``root``, file by file.
+
+    Checks what every loader needs: each file holds the names the index assigns to it, and no name is
+    stored twice. Names ``is_ignored`` passes over are not yielded. The reader is open while its
+    names are yielded.
+    """
+    seen: dict[str, str] = {}
+    for fname, listed in weight_files(root).items():
+        with SafetensorsReader(fname) as f:
+            names = f.keys()
+            missing_listed = sorted(set(listed) - set(names))
+            if missing_listed:
+                raise ValueError(f"{fname}: the index lists tensors this file lacks: {missing_listed[:5]}")
+            for name in names:
+                if is_ignored(name):
+                    continue
+                if name in seen:
+                    raise ValueError(f"{fname}: tensor {name!r} also stored in {seen[name]}")
+                seen[name] = fname
+                yield fname, f, name
+
+
 def set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     """Install ``value`` as the parameter/buffer ``name`` (replacing a meta tensor)."""
     mod_name, _, attr = name.rpartition(".")
@@ -140,27 +163,19 @@ def read_weights(model: nn.Module, root: Path, expected: dict[str, torch.Tensor]
     Returns {tensor name: file it came from}; the caller checks what is missing.
     """
     loaded: dict[str, str] = {}
-    for fname, listed in weight_files(root).items():
-        with SafetensorsReader(fname) as f:
-            names = f.keys()
-            missing_listed = sorted(set(listed) - set(names))
-            if missing_listed:
-                raise ValueError(f"{fname}: the index lists tensors this file lacks: {missing_listed[:5]}")
-            for name in names:
-                if _IGNORED.search(name) or skip(name):
-                    continue
-                if name not in expected:
-                    raise ValueError(f"{fname}: unexpected tensor {name!r} (not part of {what})")
-                if name in loaded:
-                    raise ValueError(f"{fname}: tensor {name!r} also stored in {loaded[name]}")
-                want, got = tuple(expected[name].shape), f.shape(name)
-                if got != want:
-                    raise ValueError(f"{fname}: tensor {name!r} has shape {got}, the config expects {want}")
-                t = f.read(name).to(device)  # one tensor in flight; on a GPU the cast below runs there
-                if dtype is not None and t.is_floating_point():
-                    t = t.to(dtype)
-                set_tensor(model, name, t)
-                loaded[name] = fname
+    for fname, f, name in checkpoint_tensors(root):
+        if skip(name):
+            continue
+        if name not in expected:
+            raise ValueError(f"{fname}: unexpected tensor {name!r} (not part of {what})")
+        want, got = tuple(expected[name].shape), f.shape(name)
+        if got != want:
+            raise ValueError(f"{fname}: tensor {name!r} has shape {got}, the config expects {want}")
+        t = f.read(name).to(device)  # one tensor in flight; on a GPU the cast below runs there
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        set_tensor(model, name, t)
+        loaded[name] = fname
     return loaded
 
 
