@@ -350,7 +350,7 @@ class LlamaForCausalLM(nn.Module):
     def reset_parameters(self) -> None:
         """Initialise as the reference does: N(0, initializer_range) weights, zero biases, unit norms."""
         for m in self.modules():
-            self.init_module(m)
+            LlamaForCausalLM.init_module(self, m)  # unbound: reward models reuse this on their own modules
 
     def init_module(self, m: nn.Module) -> None:
         """``reset_parameters`` for one module (its own parameters), in the same RNG order."""
