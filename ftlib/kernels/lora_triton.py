@@ -149,8 +149,9 @@ def estimate_resources(kind, c, kwargs) -> tuple[int, int]:
     software-pipelined (``_lora_kernels``): pipelined, it held ``num_stages`` copies of those operands
     and ranks > 16 compiled to up to 80 KiB more than this sum (the 128 x 128 x 32 default on sm_89
     then needed 160 KiB of its 99 KiB). The compiler reuses the main loop's buffers for it, so the
-    sum is an upper bound (``compile.csv``: every configuration of every variant on sm_90, sm_80
-    and sm_89).
+    sum is an upper bound for every configuration the launcher keeps (``compile.csv``: every
+    configuration of every variant on sm_90, sm_80 and sm_89); only three that it prunes for their
+    registers (NF4 dX with DoRA and dropout, 128-wide tiles on sm_90) compile to up to 12 KiB more.
     """
     esize = 4 if kwargs["PRECISION"] == "ieee" else 2
     stages, threads, kw = max(c.num_stages, 1), 32 * c.num_warps, c.kwargs
