@@ -545,7 +545,10 @@ def main(argv=None):
                                   reshard_after_forward=not args.no_reshard_after_forward, cpu_offload=args.cpu_offload,
                                   sync_module_states=not sharded_load)
         if sharded_load:  # each rank reads its own rows; adapters drawn as one process draws them from --seed
-            materialize_sharded(train_model, device="cpu" if args.cpu_offload else device, seed=args.seed)
+            try:
+                materialize_sharded(train_model, device="cpu" if args.cpu_offload else device, seed=args.seed)
+            except (FileNotFoundError, ValueError) as e:  # a missing or misshapen tensor, a corrupt file
+                usage_error(f"--model {args.model}: {e}")
             log("base loaded sharded: each rank read only its own rows")
     if world > 1:
         seed_everything(args.seed + rank)
