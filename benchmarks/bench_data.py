@@ -21,7 +21,7 @@ Rows (metric, value, unit, hardware, versions, date) are appended to ``--results
 
 Chat cache build vs Hugging Face ``datasets`` (``--chat``, only this)::
 
-    python benchmarks/bench_data.py --chat --corpus /tmp/ftlib_chat --records 50000 --rounds 3 \
+    python benchmarks/bench_data.py --chat --corpus bench-corpus/chat --records 50000 --rounds 3 \
         --results benchmarks/results/data_chat.csv [--before-src OTHER_CHECKOUT]
 
 Generates ``--records`` ChatML conversations (40 % with a system turn, 1-4 user/assistant pairs
