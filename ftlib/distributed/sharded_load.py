@@ -95,6 +95,12 @@ def meta_model(source: str | os.PathLike | LlamaConfig, *, dtype: torch.dtype | 
     return model
 
 
+def _chunk(n: int, s: int, r: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of ``torch.chunk``'s chunk ``r`` of ``n`` rows in ``s`` chunks (empty past the end)."""
+    c = -(-n // s)
+    return min(r * c, n), min(r * c + c, n)
+
+
 def shard_rows(t: torch.Tensor) -> tuple[int, int, torch.Tensor]:
     """(start, stop, local): the rows of dim 0 this rank holds of parameter ``t`` and its local tensor.
 
@@ -109,9 +115,7 @@ def shard_rows(t: torch.Tensor) -> tuple[int, int, torch.Tensor]:
             if pl.is_shard():
                 if pl.dim != 0:
                     raise ValueError(f"shard_rows: tensor sharded on dim {pl.dim}; FSDP2 shards dim 0")
-                s, r = t.device_mesh.size(i), t.device_mesh.get_local_rank(i)
-                c = -(-n // s)
-                start, stop = min(r * c, n), min(r * c + c, n)
+                start, stop = _chunk(n, t.device_mesh.size(i), t.device_mesh.get_local_rank(i))
         if (local.shape[0] if local.dim() else 1) != stop - start:
             raise RuntimeError(f"shard_rows: local shard has {local.shape[0]} rows, torch.chunk gives {stop - start}")
         return start, stop, local
@@ -176,7 +180,7 @@ class _Filler:
             pieces = []
             for g in range(get_world_size()):
                 piece = torch.zeros_like(buf)
-                a, b = min(coords[g] * c, n), min(coords[g] * c + c, n)
+                a, b = _chunk(n, s, coords[g])
                 piece[: b - a] = full[a:b]
                 pieces.append(piece)
         if is_distributed() and get_world_size() > 1:
