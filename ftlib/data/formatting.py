@@ -109,6 +109,7 @@ from .._jinja import (
     render_chat,
     template_text,
 )
+from .fast_bpe import fast_bpe_for
 from .pretruncate import encode_bounded
 from .report import SkipReport
 from .sharegpt import chat_turns
@@ -259,6 +260,10 @@ class Formatter:
         self.turn_end = self._resolve_turn_end() if config.kind != "text" else None
         self._passthrough = config.kind != "text" and content_passthrough(config.chat_template)
         self.stats = {"n_truncated": 0, "n_truncated_tokens": 0}
+        self._fast = None  # fast_bpe.FastBPE, False (not this tokenizer), or None (not tried yet)
+
+    def __getstate__(self):  # the C++ encoder stays in its process; a copy builds its own
+        return {**self.__dict__, "_fast": None}
 
     @property
     def n_truncated(self) -> int:
@@ -473,16 +478,12 @@ class Formatter:
         if not live:
             return [(where, None) for where, _ in pending]
         texts = [t for t, _ in live]
-        encs = self.tok.encode_batch(texts, add_special_tokens=False)
-        n = np.fromiter((len(e.ids) for e in encs), np.int64, count=len(encs))
+        n, ids, off = self._encode_batch(texts, offsets=self.cfg.loss_on != "all")
         bounds = np.zeros(len(n) + 1, np.int64)
         np.cumsum(n, out=bounds[1:])
-        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), np.int64, count=int(bounds[-1]))
         if self.cfg.loss_on == "all":
             mask = np.ones(len(ids), np.uint8)
         else:
-            off = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(e.offsets for e in encs)),
-                              np.int64, count=2 * len(ids)).reshape(-1, 2)
             base = np.zeros(len(texts), np.int64)
             np.cumsum([len(t) + 1 for t in texts[:-1]], out=base[1:])
             off += np.repeat(base, n)[:, None]
@@ -512,6 +513,25 @@ class Formatter:
                 out.append((where, self._finish(ids[a:b], mask[a:b])))
             r += 1
         return out
+
+    def _encode_batch(self, texts: list[str], offsets: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(tokens per text, ids int64 end to end, character offsets (T, 2) or None)`` of
+        ``encode_batch(texts, add_special_tokens=False)``: through ``fast_bpe`` (C++, the same ids and
+        offsets) when it reproduces this tokenizer exactly, else through ``tokenizers``."""
+        if self._fast is None:
+            self._fast = fast_bpe_for(self.tok) or False  # built once per process (workers build their own)
+        got = self._fast.encode_batch(texts) if self._fast else None
+        if got is not None:
+            ids, off, n = got
+            return n, ids.astype(np.int64), off
+        encs = self.tok.encode_batch(texts, add_special_tokens=False)
+        n = np.fromiter((len(e.ids) for e in encs), np.int64, count=len(encs))
+        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), np.int64, count=int(n.sum()))
+        off = None
+        if offsets:
+            off = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(e.offsets for e in encs)),
+                              np.int64, count=2 * len(ids)).reshape(-1, 2)
+        return n, ids, off
 
     def _finish(self, ids: np.ndarray, mask: np.ndarray) -> FormattedDoc:
         """BOS / EOS and truncation of one document's (ids, mask)."""

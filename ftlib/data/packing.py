@@ -26,52 +26,31 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import hashlib
 import heapq
 import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 
 import numpy as np
 
+from ._cbuild import load_library
 from .collate import collate_packed  # re-export: packed rows -> batch lives beside pad_collate
 
 __all__ = ["PackPlan", "PackStats", "bfd_assign", "collate_packed", "cpp_available", "pack"]
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# A source checkout has <repo>/csrc; an installed wheel carries the same files as ftlib/_csrc.
-_CSRC = next((p for p in (os.path.join(os.path.dirname(os.path.dirname(_HERE)), "csrc", "bfd_pack.cpp"),
-                          os.path.join(os.path.dirname(_HERE), "_csrc", "bfd_pack.cpp")) if os.path.exists(p)),
-             os.path.join(os.path.dirname(os.path.dirname(_HERE)), "csrc", "bfd_pack.cpp"))
-_LIB: list = []  # [ctypes function or None] once tried
+_FN: list = []  # [ctypes function or None] once tried
 
 
 def _build_cpp():
-    """Compile csrc/bfd_pack.cpp once per source hash; return the ctypes function or None."""
-    if _LIB:
-        return _LIB[0]
-    fn = None
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx and os.path.exists(_CSRC):
-        src = open(_CSRC, "rb").read()
-        root = os.environ.get("FTLIB_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ftlib"))
-        out_dir = os.path.join(root, "csrc", hashlib.sha256(src).hexdigest()[:16])
-        so = os.path.join(out_dir, "libftlib_bfd.so")
-        if not os.path.exists(so):
-            os.makedirs(out_dir, exist_ok=True)
-            tmp = f"{so}.tmp-{os.getpid()}"
-            r = subprocess.run([cxx, "-O3", "-std=c++17", "-shared", "-fPIC", _CSRC, "-o", tmp],
-                               capture_output=True, text=True)
-            if r.returncode == 0:
-                os.replace(tmp, so)  # atomic: concurrent first uses never load a half-written library
-        if os.path.exists(so):
-            lib = ctypes.CDLL(so)
+    """csrc/bfd_pack.cpp's function (built once per source hash by ``_cbuild``), or None."""
+    if not _FN:
+        lib = load_library("bfd_pack.cpp")
+        fn = None
+        if lib is not None:
             fn = lib.ftlib_bfd_assign
             fn.restype = ctypes.c_int64
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    _LIB.append(fn)
-    return fn
+        _FN.append(fn)
+    return _FN[0]
 
 
 def cpp_available() -> bool:

@@ -62,7 +62,7 @@ def test_bfd_known_instance_and_tie_rule():
 def test_forcing_cpp_without_compiler_is_an_error(monkeypatch):
     from ftlib.data import packing
 
-    monkeypatch.setattr(packing, "_LIB", [None])
+    monkeypatch.setattr(packing, "_FN", [None])
     with pytest.raises(RuntimeError, match="forced"):
         bfd_assign(np.array([1, 2]), 4, backend="cpp")
     assert bfd_assign(np.array([3, 2, 2]), 4)[1] == 2  # auto falls back to NumPy
