@@ -5,7 +5,8 @@ every part that shapes ids and offsets is one this encoder reproduces, returns a
 ``encode_batch(texts)`` gives the same token ids and character offsets as
 ``tok.encode_batch(texts, add_special_tokens=False)``, without building a Python ``Encoding`` (and
 its per-token strings) for every text. Otherwise ``from_tokenizer`` raises ``Unsupported`` naming the
-part, and callers use ``tokenizers`` itself; ``fast_bpe_for(tok)`` returns None then.
+part, and callers use ``tokenizers`` itself; ``fast_bpe_for(tok)`` returns None then
+(``FTLIB_BPE_BACKEND=auto|cpp|tokenizers`` forces one; ``cpp`` on an unsupported tokenizer raises).
 
 Supported exactly (anything else is ``Unsupported``):
 
@@ -247,9 +248,19 @@ class FastBPE:
         return ids[:n], offs[:n], counts
 
 
-def fast_bpe_for(tokenizer) -> FastBPE | None:
-    """``FastBPE.from_tokenizer(tokenizer)``, or None when it does not reproduce that tokenizer exactly."""
+def fast_bpe_for(tokenizer, backend: str | None = None) -> FastBPE | None:
+    """``FastBPE.from_tokenizer(tokenizer)``, or None when it does not reproduce that tokenizer exactly.
+
+    ``backend`` (default ``$FTLIB_BPE_BACKEND``, else ``auto``): ``auto`` as above, ``tokenizers`` always
+    None, ``cpp`` raises ``Unsupported`` (naming the part) instead of returning None."""
+    backend = backend or os.environ.get("FTLIB_BPE_BACKEND", "auto")
+    if backend not in ("auto", "cpp", "tokenizers"):
+        raise ValueError(f"FTLIB_BPE_BACKEND must be auto|cpp|tokenizers, got {backend!r}")
+    if backend == "tokenizers":
+        return None
     try:
         return FastBPE.from_tokenizer(tokenizer)
     except Unsupported:
+        if backend == "cpp":
+            raise
         return None

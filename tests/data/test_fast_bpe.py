@@ -136,6 +136,14 @@ def test_unsupported_parts_are_named(change, part):
     with pytest.raises(Unsupported, match=part):
         FastBPE(spec)
     assert fast_bpe_for(tok) is not None
+    assert fast_bpe_for(tok, "tokenizers") is None
+    try:
+        bad = Tokenizer.from_str(json.dumps(spec))
+    except Exception:  # a spec tokenizers itself refuses (WordPiece with BPE's fields)
+        return
+    assert fast_bpe_for(bad) is None
+    with pytest.raises(Unsupported, match=part):
+        fast_bpe_for(bad, "cpp")
 
 
 def test_formatter_documents_equal_with_and_without_fast_path():
