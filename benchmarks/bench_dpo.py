@@ -177,7 +177,7 @@ def child(args) -> dict:
     pairs = SyntheticPairs(args.pairs, args.max_length, args.prompt_median, args.response_median, args.vocab, args.seed)
     sc, sr = pairs.side_lengths
     loader = PairLoader(pairs, batch_size=args.rows, pad_id=0, seq_len=args.seq_len, seed=args.seed,
-                        num_workers=workers, pin_memory=device == "cuda")
+                        num_workers=workers, pin_memory=device == "cuda", trim_padding=device == "cpu")  # as dpo.py
     n_steps = min(args.steps, len(loader))
     step_pairs = [np.concatenate([loader.plan.doc[loader.plan.row_ptr[r]:loader.plan.row_ptr[r + 1]] for r in rows])
                   for rows in loader.rank_steps()[:n_steps]]

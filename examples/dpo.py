@@ -406,7 +406,8 @@ def main(argv=None):
         log("reference log-probs precomputed into the pair caches")
 
     loader = PairLoader(caches["train"], batch_size=args.batch_size, seq_len=args.seq_len, pad_id=pad_id,
-                        seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda")
+                        seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                        trim_padding=device.type == "cpu")  # eager CPU steps: no compute on the rows' padding
     log(f"train: {len(loader)} micro-batches/epoch/rank, packing {loader.pack_stats}")
     mfilter = None
     if args.margin_filter:

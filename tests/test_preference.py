@@ -467,24 +467,31 @@ def _flat_batch(pairs, pair_ids):
     return collate_pairs_packed(pairs, plan, [0], pad_id=0)
 
 
-@pytest.mark.parametrize("num_workers", [0, 1])
-def test_pair_loader_steps_give_the_flat_layouts_losses(num_workers):
+@pytest.mark.parametrize("num_workers,trim", [(0, False), (1, False), (0, True), (1, True)])
+def test_pair_loader_steps_give_the_flat_layouts_losses(num_workers, trim):
     """The PairLoader path (several padded-tail rows a step, as examples/dpo.py and bench_dpo run it) gives
     every pair the loss of the same pairs laid flat in one padding-free row, and pair_tokens counts the
-    same real tokens in both (both sides of every pair, no padding)."""
+    same real tokens in both (both sides of every pair, no padding). With ``trim_padding`` the batch IS
+    the flat layout: one row of exactly the pairs' tokens, the same tensors."""
     g = torch.Generator().manual_seed(3)
     shapes = [tuple(int(x) for x in torch.randint(1, 12, (3,), generator=g)) for _ in range(14)]
     pairs = _Pairs(g, shapes, 61)
     model = _adapted(_tiny_model())
     sc, sr = pairs.side_lengths
-    loader = PairLoader(pairs, batch_size=2, pad_id=0, seq_len=48, seed=1, drop_last=False, num_workers=num_workers)
+    loader = PairLoader(pairs, batch_size=2, pad_id=0, seq_len=48, seed=1, drop_last=False, num_workers=num_workers,
+                        trim_padding=trim)
+    untrimmed = PairLoader(pairs, batch_size=2, pad_id=0, seq_len=48, seed=1, drop_last=False)
     loss_fn = PreferenceLoss("sigmoid", beta=0.5)
     seen, padded_steps = [], 0
     with torch.no_grad():
-        for batch in loader:
+        for batch, full in zip(loader, untrimmed):
             ids = batch["pair_ids"].numpy()
             flat = _flat_batch(pairs, ids)
-            padded_steps += int(batch["input_ids"].numel() > flat["input_ids"].numel())
+            padded_steps += int(full["input_ids"].numel() > flat["input_ids"].numel())
+            if trim:
+                for key in ("input_ids", "labels", "position_ids", "cu_seqlens", "chosen_index", "rejected_index"):
+                    assert torch.equal(batch[key], flat[key]), key
+                assert batch["max_seqlen"] == flat["max_seqlen"]
             assert pair_tokens(batch) == pair_tokens(flat) == int((sc[ids] + sr[ids]).sum())
             out = [loss_fn(pair_logps(model, b, chunk_size=5), reference_pair_logps(model, b)).losses
                    for b in (batch, flat)]

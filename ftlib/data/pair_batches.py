@@ -67,16 +67,20 @@ def _pair_extras(cache, pair_ids: np.ndarray) -> dict:
     return out
 
 
-def collate_pairs_packed(cache, plan, rows, pad_id: int, loss=None) -> dict:
+def collate_pairs_packed(cache, plan, rows, pad_id: int, loss=None, trim: bool = False) -> dict:
     """Packed batch of the pairs in ``rows`` of ``plan`` (a ``PackPlan`` over pair footprints).
 
     ``loss``: optional per-row flags; a False row (a filler) keeps its tokens but gets no labels and
-    its pairs are left out of the bookkeeping (``pair_ids``, ``chosen_index``, ...)."""
+    its pairs are left out of the bookkeeping (``pair_ids``, ``chosen_index``, ...).
+    ``trim``: the rows laid end to end as one row of exactly their tokens, without the padding tails
+    (shape [1, tokens]; the same segments, so attention and every log-prob are those of the [B, T]
+    batch, with no compute spent on padding; the shape changes from batch to batch)."""
     T, B = plan.seq_len, len(rows)
     ids = np.full((B, T), pad_id, dtype=np.int64)
     labels = np.full((B, T), -100, dtype=np.int64)
     pos = np.zeros((B, T), dtype=np.int64)
     cu, pair_ids, chosen_idx, rejected_idx = [0], [], [], []
+    fills, tails = [], []  # tokens of each row, segments that are padding tails
     for b, r in enumerate(rows):
         p = 0
         real = loss is None or bool(loss[b])
@@ -93,10 +97,20 @@ def collate_pairs_packed(cache, plan, rows, pad_id: int, loss=None) -> dict:
                 if real:
                     where.append(len(cu) - 1)
                 cu.append(b * T + p)
+        fills.append(p)
         if p < T:  # padding tail: its own segment
             pos[b, p:] = np.arange(T - p)
+            tails.append(len(cu) - 1)
             cu.append((b + 1) * T)
     cu_arr = np.asarray(cu, dtype=np.int32)
+    if trim and B:  # drop the tails' positions and segments; renumber the segments the indices name
+        flat = np.concatenate([np.arange(b * T, b * T + f) for b, f in enumerate(fills)])
+        ids, labels, pos = (x.reshape(-1)[flat][None] for x in (ids, labels, pos))
+        keep = np.ones(len(cu_arr) - 1, bool)
+        keep[tails] = False
+        cu_arr = np.concatenate([[0], np.cumsum(np.diff(cu_arr)[keep])]).astype(np.int32)
+        renumber = np.cumsum(keep) - 1
+        chosen_idx, rejected_idx = renumber[chosen_idx].tolist(), renumber[rejected_idx].tolist()
     return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
             "position_ids": torch.from_numpy(pos), "cu_seqlens": torch.from_numpy(cu_arr),
             "max_seqlen": int(np.diff(cu_arr).max()) if B else 0,
@@ -182,7 +196,7 @@ def select_pairs(batch: dict, keep: torch.Tensor, pad_id: int = 0) -> dict:
 def _pair_batch(cache, plan, opts, units, real):
     """A PairLoader batch: packed rows of ``plan``, or padded pairs (fillers without labels or bookkeeping)."""
     if plan is not None:
-        return collate_pairs_packed(cache, plan, units, opts["pad_id"], loss=real)
+        return collate_pairs_packed(cache, plan, units, opts["pad_id"], loss=real, trim=opts["trim_padding"])
     return collate_pairs_padded(cache, units, opts["pad_id"], pad_to_multiple_of=opts["pad_to_multiple_of"],
                                 padding_side=opts["padding_side"], loss=real)
 
@@ -193,6 +207,9 @@ class PairLoader(UnitLoader):
     ``packing=True``: a unit is a packed row of ``seq_len`` tokens and ``batch_size`` counts rows;
     ``packing=False``: a unit is a pair, ``batch_size`` counts pairs (2 x batch_size padded rows),
     optionally length-grouped (by the longer side). ``rank`` / ``world_size`` default to torch.distributed's.
+    ``trim_padding`` (packing): each batch's rows as one row of exactly their tokens, without the padding
+    tails (``collate_pairs_packed(trim=True)``): no compute on padding, a shape that changes per batch
+    (what eager CPU steps want; keep fixed shapes for ``torch.compile`` / CUDA graphs).
     """
 
     _kind = "pair loader"
@@ -202,7 +219,7 @@ class PairLoader(UnitLoader):
                  drop_last: bool = True, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int | None = 2, group_by_length: bool = False, mega_batch_mult: int = 50,
                  pad_to_multiple_of: int | None = None, padding_side: str = "right", pack_backend: str | None = None,
-                 multiprocessing_context=None):
+                 multiprocessing_context=None, trim_padding: bool = False):
         if packing and not seq_len:
             raise ValueError("packing=True needs seq_len")
         if packing and group_by_length:
@@ -210,7 +227,8 @@ class PairLoader(UnitLoader):
         if len(cache) == 0:
             raise ValueError(f"{cache.path}: the pair cache holds no pairs (see cache.report for skipped records)")
         self.cache, self.packing, self.seq_len = cache, packing, seq_len
-        self.opts = {"pad_id": pad_id, "pad_to_multiple_of": pad_to_multiple_of, "padding_side": padding_side}
+        self.opts = {"pad_id": pad_id, "pad_to_multiple_of": pad_to_multiple_of, "padding_side": padding_side,
+                     "trim_padding": trim_padding}
         sc, sr = (np.asarray(x, dtype=np.int64) for x in cache.side_lengths)
         self.footprint = sc + sr  # tokens of a pair in a packed row: 2 p + c + r
         self.plan = None
