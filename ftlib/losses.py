@@ -26,8 +26,11 @@ Within a chunk every step is in place (shift, exp, normalise, subtract the one-h
 [chunk_size, V] fp32 block, freed before the next chunk: peak extra memory is one such block
 (1.5 under bf16 autocast, where the matmul output and its fp32 copy briefly coexist), measured
 in ``tests/test_losses.py``. ``chunk_size=None`` (default) picks the rows from the vocabulary so
-that the block is about 64 MiB (2048 rows at V = 8192, i.e. one chunk per 2k-token micro-batch:
-plain cross-entropy with a fused gradient; 128 rows at V = 128k). Without a backward (eval,
+that the block is about 64 MiB on an accelerator (2048 rows at V = 8192, i.e. one chunk per
+2k-token micro-batch: plain cross-entropy with a fused gradient; 128 rows at V = 128k) and about
+512 MiB on CPU (1024 rows at V = 128k): every chunk reads the whole [V, H] head twice and the CPU
+BLAS packs it again for each of its two GEMMs, so 128-row chunks ran the 128k head 1.42x slower
+than one chunk of 768 rows (3.28 vs 2.31 s for 768 tokens, 2 threads, ``benchmarks/NOTES.md``). Without a backward (eval,
 ``torch.no_grad()``) no gradient is computed. Tokens without a label are dropped before any
 matmul. The same idea as Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024, "Liger
 Kernel: Efficient Triton Kernels for LLM Training"), which also computes the gradient in forward.
@@ -83,12 +86,15 @@ def cross_entropy_sum(
     return loss, (y != ignore_index).sum()
 
 
-_BLOCK_BYTES = 64 << 20  # the [chunk, V] fp32 block chunk_size=None aims at
+_BLOCK_BYTES = 64 << 20  # the [chunk, V] fp32 block chunk_size=None aims at on an accelerator
+_CPU_BLOCK_BYTES = 512 << 20  # on CPU: fewer re-reads (and BLAS re-packs) of the head, in host memory
 
 
-def auto_chunk_size(vocab: int) -> int:
-    """Rows per chunk for a ~64 MiB [rows, V] fp32 block: a power of two in [128, 8192]."""
-    rows = max(1, _BLOCK_BYTES // (4 * max(1, vocab)))
+def auto_chunk_size(vocab: int, device_type: str = "cuda") -> int:
+    """Rows per chunk for a [rows, V] fp32 block of ~64 MiB (~512 MiB when ``device_type`` is "cpu"):
+    a power of two in [128, 8192]."""
+    budget = _CPU_BLOCK_BYTES if device_type == "cpu" else _BLOCK_BYTES
+    rows = max(1, budget // (4 * max(1, vocab)))
     return int(min(8192, max(128, 1 << (rows.bit_length() - 1))))
 
 
@@ -148,7 +154,7 @@ def chunked_cross_entropy(
     hidden [B, T, H] (the final-norm output), lm_head_weight [V, H], labels [B, T] aligned with
     input_ids (same shift as :func:`cross_entropy_sum`). Matmuls run in the autocast dtype
     when autocast is on (else the inputs' common dtype), softmax in fp32. ``chunk_size``: target
-    tokens per [chunk, V] block (None: :func:`auto_chunk_size` of V). When grad mode is on and an
+    tokens per [chunk, V] block (None: :func:`auto_chunk_size` of V and the device). When grad mode is on and an
     input requires grad, the gradient is computed here and ``backward`` only scales it (see the
     module docstring). Returns (loss_sum fp32 0-d, num_tokens int64 0-d).
     """
@@ -160,7 +166,7 @@ def chunked_cross_entropy(
             f"got {tuple(lm_head_weight.shape)}"
         )
     if chunk_size is None:
-        chunk_size = auto_chunk_size(lm_head_weight.shape[0])
+        chunk_size = auto_chunk_size(lm_head_weight.shape[0], hidden.device.type)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     _check_labels(labels, hidden.shape[:2], "hidden")

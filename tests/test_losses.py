@@ -161,8 +161,11 @@ def test_chunked_peak_memory_is_one_block(trainable_head, bf16):
 
 
 def test_auto_chunk_size_follows_the_vocabulary():
-    """~64 MiB fp32 blocks: one chunk of 2048 rows at V = 8k (plain CE with a fused gradient), 128 at 128k."""
+    """~64 MiB fp32 blocks: one chunk of 2048 rows at V = 8k (plain CE with a fused gradient), 128 at 128k;
+    ~512 MiB on CPU (1024 rows at 128k)."""
     assert auto_chunk_size(8192) == 2048 and auto_chunk_size(128_256) == 128 and auto_chunk_size(32) == 8192
+    assert auto_chunk_size(128_256, "cpu") == 1024 and auto_chunk_size(8192, "cpu") == 8192
+    assert auto_chunk_size(256_000, "cpu") == 512 and auto_chunk_size(128_256, "cuda") == 128
     hidden, weight, labels = make_case(5, 2, 9, 4, 11, 0.2)
     a, _ = chunked_cross_entropy(hidden, weight, labels)
     b, _ = chunked_cross_entropy(hidden, weight, labels, chunk_size=3)
