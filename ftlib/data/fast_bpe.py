@@ -42,6 +42,7 @@ import ctypes
 import functools
 import json
 import os
+import threading
 import unicodedata
 
 import numpy as np
@@ -198,6 +199,7 @@ class FastBPE:
         if lib is None:
             raise Unsupported("csrc/bpe.cpp could not be built (no C++ compiler found; set CXX)")
         self._lib, self.nfc = lib, p["nfc"]
+        self._lock = threading.Lock()  # ctypes drops the GIL; the encoder's cache and scratch are not shared-safe
         cls = _unicode_classes()
         vb, vo = _blob(p["blobs"])
         sb, so = _blob([s for s, _, _ in p["special"]])
@@ -241,8 +243,9 @@ class FastBPE:
         ids = np.empty(cap, np.int32)
         offs = np.empty((cap, 2), np.int64)
         counts = np.empty(len(texts), np.int64)
-        n = self._lib.ftlib_bpe_encode(self._h, text.ctypes.data, off.ctypes.data, len(texts), ids.ctypes.data,
-                                       offs.ctypes.data, counts.ctypes.data, cap)
+        with self._lock:
+            n = self._lib.ftlib_bpe_encode(self._h, text.ctypes.data, off.ctypes.data, len(texts), ids.ctypes.data,
+                                           offs.ctypes.data, counts.ctypes.data, cap)
         if n < 0:
             raise RuntimeError("ftlib_bpe_encode: output capacity exceeded")
         return ids[:n], offs[:n], counts
