@@ -39,8 +39,8 @@ a conservative check of the parsed template: ``chatml`` and most ChatML-style te
 sentinels by construction, so it is rendered once, not twice. Each span is extended over the *turn end* that
 immediately follows it, so the model learns to stop. A token carries loss iff its character
 range (from the tokenizer's offsets) overlaps an assistant span. ``Formatter.format_batch``
-encodes many records in one ``Tokenizer.encode_batch`` call and builds their masks in one
-vectorised pass (same documents, same reports, in strict mode the first problem in record order
+encodes many records in one call (``ftlib.data.fast_bpe``'s C++ BPE when it reproduces the
+tokenizer exactly, else ``Tokenizer.encode_batch``) and builds their masks in one vectorised pass (same documents, same reports, in strict mode the first problem in record order
 is raised); the token cache formats each chunk of records that way. ``loss_on="all"`` puts every
 token in the loss. A record with an empty assistant turn is reported as ``empty_response``:
 with loss on assistant turns only, that turn would teach the model to answer with nothing.
