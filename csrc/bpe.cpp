@@ -261,11 +261,9 @@ int64_t ftlib_bpe_encode(void* h, const uint8_t* text, const int64_t* text_off, 
     const size_t n = e.cps.size();
     const int64_t start_total = total;
     auto emit_piece = [&](size_t pa, size_t pb) {  // pre-tokenize and encode chars [pa, pb)
-      // the matcher indexes chars of the piece from 0: shift via a view over cps
       size_t k = pa;
       while (k < pb) {
-        // next_pretoken works on cps[0, n): give it the piece end by temporarily limiting n
-        size_t end = e.next_pretoken(k, pb);
+        size_t end = e.next_pretoken(k, pb);  // chars are indexed in the whole text; pb ends the piece
         const int64_t bs = e.boff[k], be = e.boff[end];
         ids.clear();
         e.bpe(text + bs, (size_t)(be - bs), ids);

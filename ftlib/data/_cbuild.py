@@ -16,10 +16,15 @@ import os
 import shutil
 import subprocess
 
-__all__ = ["csrc_path", "load_library"]
+__all__ = ["cache_root", "csrc_path", "load_library"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LOADED: dict[str, ctypes.CDLL | None] = {}
+
+
+def cache_root() -> str:
+    """``$FTLIB_CACHE_DIR``, else ``~/.cache/ftlib``: where built libraries and derived tables live."""
+    return os.environ.get("FTLIB_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ftlib"))
 
 
 def csrc_path(name: str) -> str:
@@ -38,8 +43,7 @@ def load_library(name: str) -> ctypes.CDLL | None:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx and os.path.exists(src_path):
         src = open(src_path, "rb").read()
-        root = os.environ.get("FTLIB_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ftlib"))
-        out_dir = os.path.join(root, "csrc", hashlib.sha256(src).hexdigest()[:16])
+        out_dir = os.path.join(cache_root(), "csrc", hashlib.sha256(src).hexdigest()[:16])
         so = os.path.join(out_dir, f"libftlib_{os.path.splitext(name)[0]}.so")
         if not os.path.exists(so):
             os.makedirs(out_dir, exist_ok=True)

@@ -47,7 +47,7 @@ import unicodedata
 
 import numpy as np
 
-from ._cbuild import load_library
+from ._cbuild import cache_root, load_library
 
 __all__ = ["FastBPE", "Unsupported", "fast_bpe_for"]
 
@@ -84,8 +84,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 @functools.lru_cache(maxsize=1)
 def _unicode_classes() -> np.ndarray:
     """uint8 per code point: 1 = letter (L*), 2 = number (N*), 4 = White_Space; cached on disk."""
-    root = os.environ.get("FTLIB_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ftlib"))
-    path = os.path.join(root, "unicode", f"classes-{unicodedata.unidata_version}.bin")
+    path = os.path.join(cache_root(), "unicode", f"classes-{unicodedata.unidata_version}.bin")
     if os.path.exists(path) and os.path.getsize(path) == 0x110000:
         return np.fromfile(path, np.uint8)
     cat = unicodedata.category
