@@ -34,7 +34,7 @@ from torch import nn
 
 from ._fused import fused_forward
 from .dora import dora_row_norm, row_sq_norm
-from .dropout import dropout_mask, masked_linear
+from .dropout import apply_mask, dropout_mask, masked_linear
 from .nf4 import NF4Linear
 
 __all__ = ["LoRALinear"]
@@ -165,17 +165,26 @@ class LoRALinear(nn.Module):
         p = drop.p if type(drop) is nn.Dropout and drop.training else 0.0
         custom = not isinstance(drop, (nn.Dropout, nn.Identity))  # a user's own module: call it as is
         if not self.use_dora:
-            if p > 0.0:  # A drop(x) from a 1-byte mask (ftlib.lora.dropout): no dropped copy of x is kept
-                lora = self.lora_B(masked_linear(x, self.lora_A.weight, p))
+            if p > 0.0:
+                u = masked_linear(x, self.lora_A.weight, p, self.scaling)
             else:
-                lora = self.lora_B(self.lora_A(drop(x) if custom else x))
-            if result.dtype == lora.dtype:  # in place: nothing saves the base output (no [.., out] copy)
-                return result.add_(lora, alpha=self.scaling)
-            return torch.add(result, lora, alpha=self.scaling).to(out_dtype)
+                u = self.lora_A(drop(x) if custom else x) * self.scaling
+            # result += u B^T as one GEMM accumulating in place: no [.., out] update tensor written and
+            # read back, and (s already in u) no [.., out] multiply in backward. Nothing saves the base
+            # output, so updating it in place is safe.
+            w = self.lora_B.weight
+            if result.dtype == u.dtype == w.dtype and result.dim() in (2, 3):
+                if result.dim() == 2:
+                    return result.addmm_(u, w.t())
+                return result.baddbmm_(u, w.t().expand(result.shape[0], -1, -1))
+            lora = self.lora_B(u)
+            if result.dtype == lora.dtype:
+                return result.add_(lora)
+            return torch.add(result, lora).to(out_dtype)
         h = drop(x) if custom else x
         if p > 0.0:
             mask, scale = dropout_mask(x, p)
-            h = torch.where(mask, x, 0.0) * scale
+            h = apply_mask(x, mask) * scale
         lora = self.lora_B(self.lora_A(h))  # (..., out), unscaled
         mag_scale = self.lora_magnitude_vector / self.weight_norm()  # (out,), grad flows to m only
         if h is x:

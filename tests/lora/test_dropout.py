@@ -139,3 +139,27 @@ def test_backward_keeps_x_once_and_one_byte_masks():
     assert len(floats) == 1 and len(masks) == 3, [(t.dtype, t.untyped_storage().data_ptr()) for t in big]
     out.backward()
     assert all(layer.lora_A.weight.grad.abs().sum() > 0 for layer in layers)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 7), (2, 3, 5)])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_lora_layer_update_and_gradients_float64(monkeypatch, shape, p):
+    """y = W x + b + s B A drop(x), and the gradients of x, A and B, for 2-D, 3-D (the update
+    accumulated into the base output by one in-place GEMM) and 4-D inputs (the fallback)."""
+    g = torch.Generator().manual_seed(3)
+    base = nn.Linear(10, 6).double()
+    layer = LoRALinear(base, 4, 12, dropout=p, adapter_dtype=torch.float64).train()
+    with torch.no_grad():
+        layer.lora_B.weight.normal_(generator=g)
+    x = torch.randn(*shape, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(*shape, 10, generator=g) > p
+    monkeypatch.setattr("ftlib.lora.dropout.dropout_mask", lambda t, q: (mask, 1 / (1 - q)))
+    y = layer(x)
+    a, b = layer.lora_A.weight, layer.lora_B.weight
+    want = F.linear(x, base.weight, base.bias) + layer.scaling * F.linear(F.linear(x * mask / (1 - p), a), b)
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    gy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(y, (x, a, b), gy)
+    ref = torch.autograd.grad(want, (x, a, b), gy)
+    for t, r in zip(got, ref):
+        torch.testing.assert_close(t, r, rtol=1e-12, atol=1e-12)
