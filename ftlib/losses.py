@@ -30,7 +30,9 @@ that the block is about 64 MiB on an accelerator (2048 rows at V = 8192, i.e. on
 2k-token micro-batch: plain cross-entropy with a fused gradient; 128 rows at V = 128k) and about
 512 MiB on CPU (1024 rows at V = 128k): every chunk reads the whole [V, H] head twice and the CPU
 BLAS packs it again for each of its two GEMMs, so 128-row chunks ran the 128k head 1.42x slower
-than one chunk of 768 rows (3.28 vs 2.31 s for 768 tokens, 2 threads, ``benchmarks/NOTES.md``). Without a backward (eval,
+than one chunk of 768 rows (3.28 vs 2.31 s for 768 tokens, 2 threads, ``benchmarks/NOTES.md``). On CPU
+the fp32 block is laid out (V, chunk), computed as ``W @ h^T`` (faster in MKL than ``h @ W^T``: 755 vs
+940+ ms at V = 128k; see ``_vocab_major``), with the softmax along its first dimension. Without a backward (eval,
 ``torch.no_grad()``) no gradient is computed. Tokens without a label are dropped before any
 matmul. The same idea as Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024, "Liger
 Kernel: Efficient Triton Kernels for LLM Training"), which also computes the gradient in forward.
@@ -98,6 +100,14 @@ def auto_chunk_size(vocab: int, device_type: str = "cuda") -> int:
     return int(min(8192, max(128, 1 << (rows.bit_length() - 1))))
 
 
+def _vocab_major(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether the loss's [chunk, V] block is laid out as (V, chunk): for fp32/fp64 matmuls on CPU,
+    where ``W @ h^T`` runs faster than ``h @ W^T`` (MKL, 2 cores, C = 768, V = 131072, H = 512: 755
+    vs 940-1190 ms; the gradient's ``z^T W`` 630 vs 645-750 ms) and the softmax passes along V cost
+    about the same either way. Elsewhere (accelerators, bf16/fp16 matmuls) the block stays (chunk, V)."""
+    return device_type == "cpu" and dtype in (torch.float32, torch.float64)
+
+
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, y, chunk_size, dtype, need_h, need_w):
@@ -109,27 +119,32 @@ class _ChunkedCE(torch.autograd.Function):
         # (V, H) accumulator in fp32: summing many chunks in bf16 would lose the small updates
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         # autocast off: the matmuls run in `dtype` explicitly (autocast's dtype when it was on)
+        tr = _vocab_major(h.device.type, dtype)
         with torch.autocast(device_type=h.device.type, enabled=False):
             w = weight.to(dtype)  # (V, H): converted once, not per chunk (a [V, H] copy each)
             for s in range(0, n, chunk_size):
                 hc = h[s : s + chunk_size].to(dtype)  # (C, H)
-                yc = y[s : s + chunk_size, None]  # (C, 1)
-                z = hc @ w.t()  # (C, V) in `dtype`
+                yc = y[s : s + chunk_size]
+                if tr:  # the block as (V, C): W (V, H) @ hc^T
+                    z, d, yc = w @ hc.t(), 0, yc[None, :]
+                else:  # as (C, V): hc @ W^T
+                    z, d, yc = hc @ w.t(), 1, yc[:, None]
                 if z.dtype != acc:
                     z = z.to(acc)  # the `dtype` block is freed here: 1.5 blocks at most
-                z_y = z.gather(1, yc)  # (C, 1) label logits, before z is overwritten
-                m = z.amax(dim=1, keepdim=True)
+                z_y = z.gather(d, yc)  # label logits, before z is overwritten
+                m = z.amax(dim=d, keepdim=True)
                 z.sub_(m).exp_()  # exp(z - max), in place
-                total_c = z.sum(dim=1, keepdim=True)  # (C, 1)
+                total_c = z.sum(dim=d, keepdim=True)
                 total += (m + total_c.log() - z_y).sum()  # sum of lse - z_y
+                zc = z.t() if tr else z  # (C, V)
                 if need_h or need_w:
                     z.div_(total_c)  # softmax
-                    z.scatter_add_(1, yc, torch.full_like(z_y, -1.0))  # dL/dz = softmax - onehot(y), at g = 1
+                    z.scatter_add_(d, yc, torch.full_like(z_y, -1.0))  # dL/dz = softmax - onehot(y), at g = 1
                     if need_h:
-                        grad_h[s : s + chunk_size] = (z.to(dtype) @ w).to(h.dtype)
+                        grad_h[s : s + chunk_size] = (zc.to(dtype) @ w).to(h.dtype)
                     if need_w:
-                        grad_w.addmm_(z.t(), hc.to(acc))  # (V, C) @ (C, H)
-                del z  # before the next chunk's block is allocated
+                        grad_w.addmm_(zc.t(), hc.to(acc))  # (V, C) @ (C, H)
+                del z, zc  # before the next chunk's block is allocated
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total

@@ -1,6 +1,7 @@
 """Token-weighted cross-entropy: shift convention, chunked == plain (value and gradients), peak memory."""
 
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -38,12 +39,14 @@ def test_shift_convention_labels_aligned_with_input_ids():
 
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10_000), st.integers(1, 3), st.integers(1, 9), st.integers(1, 6), st.integers(2, 13),
-       st.integers(1, 7), st.sampled_from([0.0, 0.3, 1.0]))
-def test_chunked_equals_plain_value_and_grads(seed, b, t, h, v, chunk, ignore_frac):
+       st.integers(1, 7), st.sampled_from([0.0, 0.3, 1.0]), st.booleans())
+def test_chunked_equals_plain_value_and_grads(seed, b, t, h, v, chunk, ignore_frac, vocab_major):
     """Invariant: chunked_cross_entropy == cross_entropy_sum(hidden @ W.T) in loss, count and the
-    gradients w.r.t. hidden and W, for any chunk size (float64, tight)."""
+    gradients w.r.t. hidden and W, for any chunk size and either block layout ((V, C) on CPU,
+    (C, V) on accelerators) (float64, tight)."""
     hidden, weight, labels = make_case(seed, b, t, h, v, ignore_frac)
-    loss, n = chunked_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+    with mock.patch("ftlib.losses._vocab_major", lambda device_type, dtype: vocab_major):
+        loss, n = chunked_cross_entropy(hidden, weight, labels, chunk_size=chunk)
     gh, gw = torch.autograd.grad(loss * 1.7, (hidden, weight), allow_unused=True)
     ref, n_ref = cross_entropy_sum(hidden @ weight.t(), labels)
     rh, rw = torch.autograd.grad(ref * 1.7, (hidden, weight), allow_unused=True)
