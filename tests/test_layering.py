@@ -2,7 +2,7 @@
 
 Layers, bottom to top. A module imports only from its own layer or below, never up:
 
-    0  leaf helpers  ftlib._atomic ftlib._dist ftlib._fields ftlib._jinja
+    0  leaf helpers  ftlib._atomic ftlib._cbuild ftlib._dist ftlib._fields ftlib._jinja
     1  kernels       ftlib.kernels        (attention, LoRA matmul, token augmentation; NF4/DoRA math)
     2  models        ftlib.models         (the model is adapter-agnostic: apply_lora swaps its layers
                                            from outside, so models never import lora)
@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaf helpers", ("ftlib._atomic", "ftlib._dist", "ftlib._fields", "ftlib._jinja")),
+    ("leaf helpers", ("ftlib._atomic", "ftlib._cbuild", "ftlib._dist", "ftlib._fields", "ftlib._jinja")),
     ("kernels", ("ftlib.kernels",)),
     ("models", ("ftlib.models",)),
     ("lora", ("ftlib.lora",)),

@@ -47,7 +47,7 @@ import unicodedata
 
 import numpy as np
 
-from ._cbuild import cache_root, load_library
+from .._cbuild import cache_root, load_library
 
 __all__ = ["FastBPE", "Unsupported", "fast_bpe_for"]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._cbuild import load_library
+from .._cbuild import load_library
 from .collate import collate_packed  # re-export: packed rows -> batch lives beside pad_collate
 
 __all__ = ["PackPlan", "PackStats", "bfd_assign", "collate_packed", "cpp_available", "pack"]

@@ -163,3 +163,58 @@ def test_lora_layer_update_and_gradients_float64(monkeypatch, shape, p):
     ref = torch.autograd.grad(want, (x, a, b), gy)
     for t, r in zip(got, ref):
         torch.testing.assert_close(t, r, rtol=1e-12, atol=1e-12)
+
+
+def _cpu_lib_or_skip(r=16):
+    from ftlib.lora import dropout
+
+    lib = dropout._library()
+    if lib is None or not lib.ft_lora_supported(r):
+        pytest.skip("csrc/lora_dropout.cpp needs a C++ compiler and an AVX2 + FMA CPU")
+    return dropout
+
+
+@pytest.mark.parametrize("r", [8, 16, 24, 64])
+@pytest.mark.parametrize("n,k", [(1, 3), (5, 33), (37, 100), (6, 1411)])
+def test_cpu_kernels_equal_float64_products(r, n, k):
+    """The three C++ products on odd shapes (row and column tails, every rank branch) against float64:
+    u = (x * m) A^T * c, dx = (du A) * m, dA = du^T (x * m); a NaN in x stays NaN where dropped."""
+    dropout = _cpu_lib_or_skip(r)
+    g = torch.Generator().manual_seed(r * 1000 + n + k)
+    x, a, du = torch.randn(n, k, generator=g), torch.randn(r, k, generator=g), torch.randn(n, r, generator=g)
+    m = torch.rand(n, k, generator=g) > 0.3
+    xm = x.double() * m
+    tol = dict(rtol=1e-5, atol=1e-5 * math.sqrt(k))
+    torch.testing.assert_close(dropout._cpu_xa(x, m, a, 0.7).double(), xm @ a.double().t() * 0.7, **tol)
+    torch.testing.assert_close(dropout._cpu_dx(du, a, m).double(), (du.double() @ a.double()) * m, **tol)
+    torch.testing.assert_close(dropout._cpu_da(du, x, m).double(), du.double().t() @ xm, rtol=1e-5,
+                               atol=1e-5 * math.sqrt(n))
+    x[0, 0], m[0, 0] = float("nan"), False
+    assert dropout._cpu_xa(x, m, a, 1.0)[0].isnan().all()  # as x * m in the PyTorch path
+
+
+def test_lora_layer_cpu_kernels_equal_torch_ops(monkeypatch):
+    """An fp32 LoRA layer with dropout on CPU runs the C++ products (counted), and its output and
+    gradients equal the PyTorch path's (FTLIB_LORA_BACKEND=torch) on the same masks."""
+    dropout = _cpu_lib_or_skip(16)
+    calls = []
+    real = dropout._cpu_xa
+    monkeypatch.setattr(dropout, "_cpu_xa", lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        torch.manual_seed(0)
+        layer = LoRALinear(nn.Linear(40, 24), 16, 32, dropout=0.1).train()
+        nn.init.normal_(layer.lora_B.weight)
+        x = torch.randn(2, 9, 40, requires_grad=True)
+        y = layer(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+        return y.detach(), x.grad, layer.lora_A.weight.grad, layer.lora_B.weight.grad
+
+    got = run()
+    assert calls, "the C++ path was not taken"
+    monkeypatch.setenv("FTLIB_LORA_BACKEND", "torch")
+    n = len(calls)
+    want = run()
+    assert len(calls) == n
+    for t, w in zip(got, want):
+        torch.testing.assert_close(t, w, rtol=1e-5, atol=1e-5)

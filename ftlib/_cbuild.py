@@ -1,5 +1,8 @@
 """Build a ``csrc/*.cpp`` file into a plain shared library on first use and load it with ctypes.
 
+Used by the data path (``ftlib.data``: packing, the byte-level BPE) and by LoRA's dropout products
+on CPU (``ftlib.lora.dropout``).
+
 One library per source file and source hash, under ``$FTLIB_CACHE_DIR/csrc/<hash>/``
 (default ``~/.cache/ftlib``), compiled with the system C++ compiler (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``) as ``-O3 -std=c++17 -shared -fPIC``. A source checkout reads
@@ -29,8 +32,8 @@ def cache_root() -> str:
 
 def csrc_path(name: str) -> str:
     """Path of ``csrc/<name>`` (source checkout) or ``ftlib/_csrc/<name>`` (installed wheel)."""
-    repo = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "csrc", name)
-    wheel = os.path.join(os.path.dirname(_HERE), "_csrc", name)
+    repo = os.path.join(os.path.dirname(_HERE), "csrc", name)
+    wheel = os.path.join(_HERE, "_csrc", name)
     return repo if os.path.exists(repo) or not os.path.exists(wheel) else wheel
 
 
