@@ -23,6 +23,9 @@ or NF4 base, dropout) in one op, ``lora_matmul_ref`` its reference; the backend 
 on-device synonym swap / masking of ``ftlib.augment``, ``augment_tokens_ref`` its reference; the
 backend follows ``FTLIB_AUGMENT_BACKEND=auto|triton|torch`` (``augment.py``), the kernel
 is launched by ``ftlib.kernels.augment_triton``.
+
+``swiglu(g, u)`` is the Llama MLP's ``silu(g) * u`` with a fused C++ kernel on CPU
+(``csrc/swiglu.cpp``; ``FTLIB_SWIGLU_BACKEND=auto|torch``), ``F.silu(g) * u`` elsewhere.
 """
 
 from .attention import attention, attention_backend
@@ -32,6 +35,7 @@ from .augment import augment_backend, augment_tokens
 from .augment_ref import augment_tokens_ref
 from .lora import lora_backend, lora_matmul
 from .lora_ref import lora_matmul_ref
+from .swiglu import swiglu, swiglu_backend
 
 __all__ = ["attention", "attention_backend", "attention_ref", "attention_sdpa", "augment_backend", "augment_tokens",
-           "augment_tokens_ref", "lora_backend", "lora_matmul", "lora_matmul_ref"]
+           "augment_tokens_ref", "lora_backend", "lora_matmul", "lora_matmul_ref", "swiglu", "swiglu_backend"]

@@ -24,8 +24,9 @@ What the textbook form (``nn.Dropout`` then ``nn.Linear``) costs, and what is do
    an [N, in] tensor per product. For fp32 on an AVX2 + FMA CPU with a rank that is a multiple of
    8 (up to 64), ``csrc/lora_dropout.cpp`` computes ``(x * m) A^T``, ``(du A) * m`` and
    ``du^T (x * m)`` reading the 1-byte mask in place, r-wide accumulators in registers (2,048 x
-   1,408, r = 16, one core: 2.4-2.9 ms against 8-18 ms for the PyTorch ops; the LoRA step 5 % faster
-   in ``benchmarks/bench_train.py``'s job). ``FTLIB_LORA_BACKEND=torch`` keeps the PyTorch ops.
+   1,408, r = 16, one core: 2.4-2.9 ms against 8-18 ms for the PyTorch ops; ``bench_train.py``'s
+   step 5.5 % faster on one thread, median of 10 alternating steps). ``FTLIB_LORA_BACKEND=torch``
+   keeps the PyTorch ops.
 
 Exactness on CPU: an element is kept when its 16 random bits are >= round(p * 2^16), so the drop
 probability is p rounded to a multiple of 2^-16 (within 7.7e-6 of p; exact when p * 2^16 is an
@@ -87,6 +88,10 @@ def apply_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x * mask.to(x.dtype)
 
 
+# The kernels run on the calling thread. Split over two std::threads beside torch's OpenMP pool they
+# competed with its spin-waiting workers: bench_train.py's step at 2 threads took 0.976 ms a token
+# that way, 0.925 on one thread, 0.945 with the PyTorch ops (median of 10 alternating steps).
+_THREADS = 1
 _LIB: list = []  # [the loaded csrc/lora_dropout.cpp library, or None], filled on first use
 
 
@@ -108,8 +113,11 @@ def _library():
 def _cpu_kernels(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the three products run in ``csrc/lora_dropout.cpp``: CPU, fp32 throughout, rank a
     multiple of 8 up to 64, a compiler at hand and AVX2 + FMA, and ``FTLIB_LORA_BACKEND`` not
-    ``torch`` (which keeps every LoRA product in PyTorch ops); otherwise the PyTorch ops do."""
+    ``torch`` (which keeps every LoRA product in PyTorch ops), and not under ``torch.compile``;
+    otherwise the PyTorch ops do."""
     if x.device.type != "cpu" or not (x.dtype == weight.dtype == dtype == torch.float32):
+        return False
+    if torch.compiler.is_compiling():  # under torch.compile, inductor fuses the PyTorch ops instead
         return False
     if os.environ.get("FTLIB_LORA_BACKEND", "auto").strip().lower() == "torch":
         return False
@@ -128,7 +136,7 @@ def _cpu_xa(x: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor, scale: fl
     x2, m2, at = x.reshape(-1, k).contiguous(), mask.reshape(-1, k).contiguous(), weight.t().contiguous()
     u = x.new_empty(x2.shape[0], r)
     _library().ft_lora_masked_xa(_ptr(x2), _ptr(m2), _ptr(at), _ptr(u), x2.shape[0], k, r, scale,
-                                 torch.get_num_threads())
+                                 _THREADS)
     return u.view(*x.shape[:-1], r)
 
 
@@ -143,7 +151,7 @@ def _cpu_dx(du: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor) -> torch
     k, r = weight.shape[1], weight.shape[0]
     du2, a, m2 = du.reshape(-1, r).contiguous(), weight.contiguous(), mask.reshape(-1, k).contiguous()
     dx = du.new_empty(du2.shape[0], k)
-    _library().ft_lora_masked_dx(_ptr(du2), _ptr(a), _ptr(m2), _ptr(dx), du2.shape[0], k, r, torch.get_num_threads())
+    _library().ft_lora_masked_dx(_ptr(du2), _ptr(a), _ptr(m2), _ptr(dx), du2.shape[0], k, r, _THREADS)
     return dx.view(*mask.shape)
 
 
@@ -158,7 +166,7 @@ def _cpu_da(du: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     k, r = x.shape[-1], du.shape[-1]
     du2, x2, m2 = du.reshape(-1, r).contiguous(), x.reshape(-1, k).contiguous(), mask.reshape(-1, k).contiguous()
     da = x.new_empty(r, k)
-    _library().ft_lora_masked_da(_ptr(du2), _ptr(x2), _ptr(m2), _ptr(da), x2.shape[0], k, r, torch.get_num_threads())
+    _library().ft_lora_masked_da(_ptr(du2), _ptr(x2), _ptr(m2), _ptr(da), x2.shape[0], k, r, _THREADS)
     return da
 
 

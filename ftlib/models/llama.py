@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels import attention
+from ..kernels import attention, swiglu
 from .config import LlamaConfig
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -228,7 +228,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
