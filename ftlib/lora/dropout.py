@@ -24,7 +24,7 @@ What the textbook form (``nn.Dropout`` then ``nn.Linear``) costs, and what is do
    an [N, in] tensor per product. For fp32 on an AVX2 + FMA CPU with a rank that is a multiple of
    8 (up to 64), ``csrc/lora_dropout.cpp`` computes ``(x * m) A^T``, ``(du A) * m`` and
    ``du^T (x * m)`` reading the 1-byte mask in place, r-wide accumulators in registers (2,048 x
-   1,408, r = 16, one core: 2.4-2.9 ms against 8-18 ms for the PyTorch ops; ``bench_train.py``'s
+   1,408, r = 16, one core: forward 2.5-2.9 ms against 8.4-22 ms for the PyTorch ops; ``bench_train.py``'s
    step 5.5 % faster on one thread, median of 10 alternating steps). ``FTLIB_LORA_BACKEND=torch``
    keeps the PyTorch ops.
 

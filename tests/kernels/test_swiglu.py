@@ -36,6 +36,16 @@ def test_cpp_matches_float64_reference(n, spread, seed):
         torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-6 * float(want.abs().max()) + 1e-30)
 
 
+def test_cpp_work_split_over_threads(monkeypatch):
+    _cpp_or_skip()
+    g, u, dh = torch.randn(3, 1001), torch.randn(3, 1001), torch.randn(3, 1001)
+    mod = importlib.import_module("ftlib.kernels.swiglu")
+    one = (mod._fwd(g, u), *mod._bwd(dh, g, u))
+    monkeypatch.setattr(mod, "_THREADS", 3)
+    for a, b in zip(one, (mod._fwd(g, u), *mod._bwd(dh, g, u))):
+        assert torch.equal(a, b)
+
+
 def test_cpp_shapes_nan_and_saved_tensors():
     _cpp_or_skip()
     g = torch.tensor([[float("nan"), 100.0, -100.0], [0.0, -3.0, 2.5]], requires_grad=True)

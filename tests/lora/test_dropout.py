@@ -174,12 +174,15 @@ def _cpu_lib_or_skip(r=16):
     return dropout
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("r", [8, 16, 24, 64])
 @pytest.mark.parametrize("n,k", [(1, 3), (5, 33), (37, 100), (6, 1411)])
-def test_cpu_kernels_equal_float64_products(r, n, k):
-    """The three C++ products on odd shapes (row and column tails, every rank branch) against float64:
-    u = (x * m) A^T * c, dx = (du A) * m, dA = du^T (x * m); a NaN in x stays NaN where dropped."""
+def test_cpu_kernels_equal_float64_products(monkeypatch, r, n, k, threads):
+    """The three C++ products on odd shapes (row and column tails, every rank branch, work split over
+    threads) against float64: u = (x * m) A^T * c, dx = (du A) * m, dA = du^T (x * m); a NaN in x
+    stays NaN where dropped."""
     dropout = _cpu_lib_or_skip(r)
+    monkeypatch.setattr(dropout, "_THREADS", threads)
     g = torch.Generator().manual_seed(r * 1000 + n + k)
     x, a, du = torch.randn(n, k, generator=g), torch.randn(r, k, generator=g), torch.randn(n, r, generator=g)
     m = torch.rand(n, k, generator=g) > 0.3
