@@ -179,6 +179,9 @@ def test_saved_bytes_per_token_on_meta(monkeypatch):
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     counts = {}
+    # SwiGLU through the reference ops everywhere (the fused CPU kernel keeps g and u only; meta and
+    # accelerators keep silu(g) too, which is what the count models)
+    monkeypatch.setenv("FTLIB_SWIGLU_BACKEND", "torch")
     for device in ("cpu", "meta", "cpu-fused"):
         if device == "cpu-fused":
             monkeypatch.delenv("FTLIB_ATTN_BACKEND")
