@@ -19,7 +19,7 @@ import os
 import shutil
 import subprocess
 
-__all__ = ["cache_root", "csrc_path", "load_library"]
+__all__ = ["cache_root", "csrc_path", "load_library", "tensor_ptr"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LOADED: dict[str, ctypes.CDLL | None] = {}
@@ -59,3 +59,8 @@ def load_library(name: str) -> ctypes.CDLL | None:
             lib = ctypes.CDLL(so)
     _LOADED[name] = lib
     return lib
+
+
+def tensor_ptr(t) -> ctypes.c_void_p:
+    """A tensor's data pointer as a ``c_void_p`` argument of a library function."""
+    return ctypes.c_void_p(t.data_ptr())

@@ -14,10 +14,14 @@ reference's. ``FTLIB_SWIGLU_BACKEND=auto|torch`` (``torch``: always the referenc
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
+
+from ftlib._cbuild import load_library
+from ftlib._cbuild import tensor_ptr as _ptr
 
 __all__ = ["swiglu", "swiglu_backend"]
 
@@ -25,22 +29,18 @@ __all__ = ["swiglu", "swiglu_backend"]
 # competed with its spin-waiting workers: bench_train.py's step at 2 threads took 0.976 ms a token
 # that way, 0.925 on one thread, 0.945 with the PyTorch ops (median of 10 alternating steps).
 _THREADS = 1
-_LIB: list = []
 
 
+@functools.cache
 def _library():
-    if not _LIB:
-        from ftlib._cbuild import load_library
-
-        lib = load_library("swiglu.cpp")
-        if lib is not None:
-            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            lib.ft_swiglu_fwd.argtypes = [p, p, p, i64, i32]
-            lib.ft_swiglu_bwd.argtypes = [p, p, p, p, p, i64, i32]
-            if not lib.ft_swiglu_supported():
-                lib = None
-        _LIB.append(lib)
-    return _LIB[0]
+    """The built ``csrc/swiglu.cpp`` with its signatures declared, or None (no compiler, no AVX2 + FMA)."""
+    lib = load_library("swiglu.cpp")
+    if lib is None or not lib.ft_swiglu_supported():
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ft_swiglu_fwd.argtypes = [p, p, p, i64, i32]
+    lib.ft_swiglu_bwd.argtypes = [p, p, p, p, p, i64, i32]
+    return lib
 
 
 def swiglu_backend(g: torch.Tensor, u: torch.Tensor) -> str:
@@ -54,10 +54,6 @@ def swiglu_backend(g: torch.Tensor, u: torch.Tensor) -> str:
             and not torch.is_autocast_enabled("cpu") and _library() is not None):
         return "cpp"
     return "torch"
-
-
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
 
 
 @torch.library.custom_op("ftlib::cpu_swiglu", mutates_args=())

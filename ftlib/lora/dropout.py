@@ -36,11 +36,15 @@ integer) and the scale is 1 / (1 - that probability), so E[drop(x)] = x exactly.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from ftlib._cbuild import load_library
+from ftlib._cbuild import tensor_ptr as _ptr
 
 __all__ = ["apply_mask", "dropout_mask", "kept_fraction", "masked_linear"]
 
@@ -92,22 +96,19 @@ def apply_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # competed with its spin-waiting workers: bench_train.py's step at 2 threads took 0.976 ms a token
 # that way, 0.925 on one thread, 0.945 with the PyTorch ops (median of 10 alternating steps).
 _THREADS = 1
-_LIB: list = []  # [the loaded csrc/lora_dropout.cpp library, or None], filled on first use
 
 
+@functools.cache
 def _library():
-    if not _LIB:
-        from ftlib._cbuild import load_library
-
-        lib = load_library("lora_dropout.cpp")
-        if lib is not None:
-            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            lib.ft_lora_supported.argtypes = [i32]
-            lib.ft_lora_masked_xa.argtypes = [p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
-            lib.ft_lora_masked_dx.argtypes = [p, p, p, p, i64, i64, i32, i32]
-            lib.ft_lora_masked_da.argtypes = [p, p, p, p, i64, i64, i32, i32]
-        _LIB.append(lib)
-    return _LIB[0]
+    """The built ``csrc/lora_dropout.cpp`` with its signatures declared, or None."""
+    lib = load_library("lora_dropout.cpp")
+    if lib is not None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.ft_lora_supported.argtypes = [i32]
+        lib.ft_lora_masked_xa.argtypes = [p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
+        lib.ft_lora_masked_dx.argtypes = [p, p, p, p, i64, i64, i32, i32]
+        lib.ft_lora_masked_da.argtypes = [p, p, p, p, i64, i64, i32, i32]
+    return lib
 
 
 def _cpu_kernels(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -123,10 +124,6 @@ def _cpu_kernels(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> b
         return False
     lib = _library()
     return lib is not None and bool(lib.ft_lora_supported(int(weight.shape[0])))
-
-
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
 
 
 @torch.library.custom_op("ftlib::cpu_masked_xa", mutates_args=())
