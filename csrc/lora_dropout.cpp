@@ -9,8 +9,9 @@
 // (a NaN in x stays NaN), as in the PyTorch path. The PyTorch path spends ~5 passes over an
 // (N, K) tensor per product (the mask widened to fp32, x * m written, read by a skinny GEMM); here
 // each product reads x/m once and keeps the r-wide accumulators in registers. AVX2 + FMA
-// (checked at run time by ft_lora_supported); r a multiple of 8 up to 64. Work is split over
-// `threads` std::threads by rows (xa, dx) or by columns k (da: no shared accumulators).
+// (checked at run time by ft_lora_supported); r a multiple of 8 up to 64. Work is split into
+// `threads` ranges of rows (xa, dx) or of columns k (da: no shared accumulators), run by the
+// threads of torch's OpenMP runtime when built with -fopenmp (ftlib/_cbuild.py), else std::threads.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -19,16 +20,33 @@
 #include <thread>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace {
 
+// fn over [0, n) in `threads` ranges, each a multiple of `align` long (the last one shorter): in an
+// OpenMP parallel region when built with -fopenmp (the threads of the runtime torch runs, see
+// ftlib/_cbuild.py), else on std::threads.
 void parallel(int64_t n, int threads, int64_t align, const std::function<void(int64_t, int64_t)>& fn) {
   threads = std::max(1, threads);
   int64_t per = (n + threads - 1) / threads;
-  per = (per + align - 1) / align * align;
+  per = std::max<int64_t>(align, (per + align - 1) / align * align);
+  const int64_t chunks = (n + per - 1) / per;
+  if (chunks <= 1) {
+    fn(0, n);
+    return;
+  }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(static_cast<int>(chunks)) schedule(static, 1)
+  for (int64_t c = 0; c < chunks; ++c) fn(c * per, std::min(n, (c + 1) * per));
+#else
   std::vector<std::thread> pool;
   for (int64_t s = per; s < n; s += per) pool.emplace_back(fn, s, std::min(n, s + per));
   fn(0, std::min(n, per));
   for (auto& th : pool) th.join();
+#endif
 }
 
 __attribute__((target("avx2,fma"))) inline __m256 mask8(const uint8_t* m) {
@@ -142,6 +160,15 @@ __attribute__((target("avx2,fma"))) void da_cols(const float* du, const float* x
 }  // namespace
 
 extern "C" {
+
+// 1 when built with OpenMP (kernels split over the runtime's threads), else 0.
+int ft_lora_openmp() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 int ft_lora_supported(int r) {
   __builtin_cpu_init();

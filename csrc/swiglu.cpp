@@ -6,8 +6,9 @@
 // (ftlib/kernels/swiglu.py). PyTorch's ops take five passes over the [N, I] tensors in backward and
 // two in forward, and keep silu(g) for backward; here each direction reads its inputs once and
 // backward recomputes s from g. exp is Cephes' single-precision expf (range reduction by ln 2, a
-// degree-5 polynomial, within ~2 ulp), the scalar tail uses std::exp. Work is split over `threads`
-// std::threads by element ranges.
+// degree-5 polynomial, within ~2 ulp), the scalar tail uses std::exp. Work is split into `threads`
+// element ranges, run by the threads of torch's OpenMP runtime when built with -fopenmp
+// (ftlib/_cbuild.py), else std::threads.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -17,15 +18,32 @@
 #include <thread>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace {
 
+// fn over [0, n) in `threads` ranges of a multiple of 64 elements (the last one shorter): in an
+// OpenMP parallel region when built with -fopenmp (the threads of the runtime torch runs, see
+// ftlib/_cbuild.py), else on std::threads.
 void parallel(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& fn) {
   threads = std::max(1, threads);
-  int64_t per = ((n + threads - 1) / threads + 63) / 64 * 64;
+  const int64_t per = std::max<int64_t>(64, ((n + threads - 1) / threads + 63) / 64 * 64);
+  const int64_t chunks = (n + per - 1) / per;
+  if (chunks <= 1) {
+    fn(0, n);
+    return;
+  }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(static_cast<int>(chunks)) schedule(static, 1)
+  for (int64_t c = 0; c < chunks; ++c) fn(c * per, std::min(n, (c + 1) * per));
+#else
   std::vector<std::thread> pool;
   for (int64_t s = per; s < n; s += per) pool.emplace_back(fn, s, std::min(n, s + per));
   fn(0, std::min(n, per));
   for (auto& th : pool) th.join();
+#endif
 }
 
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
@@ -85,6 +103,15 @@ __attribute__((target("avx2,fma"))) void bwd_range(const float* dh, const float*
 }  // namespace
 
 extern "C" {
+
+// 1 when built with OpenMP (kernels split over the runtime's threads), else 0.
+int ft_swiglu_openmp() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 int ft_swiglu_supported() {
   __builtin_cpu_init();

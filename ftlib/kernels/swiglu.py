@@ -25,19 +25,24 @@ from ftlib._cbuild import tensor_ptr as _ptr
 
 __all__ = ["swiglu", "swiglu_backend"]
 
-# The kernels run on the calling thread. Split over two std::threads beside torch's OpenMP pool they
-# competed with its spin-waiting workers: bench_train.py's step at 2 threads took 0.976 ms a token
-# that way, 0.925 on one thread, 0.945 with the PyTorch ops (median of 10 alternating steps).
-_THREADS = 1
+# Below this many elements a pass runs on one thread (a parallel region costs a few us).
+_PARALLEL_MIN = 1 << 16
+
+
+def _threads(n: int) -> int:
+    """torch's intra-op thread count when the kernel shares torch's OpenMP runtime (``ftlib._cbuild``)
+    and n is large enough, else 1 (see ``ftlib.lora.dropout._threads``)."""
+    return torch.get_num_threads() if n >= _PARALLEL_MIN and _library().ft_swiglu_openmp() else 1
 
 
 @functools.cache
 def _library():
     """The built ``csrc/swiglu.cpp`` with its signatures declared, or None (no compiler, no AVX2 + FMA)."""
-    lib = load_library("swiglu.cpp")
+    lib = load_library("swiglu.cpp", openmp=True)
     if lib is None or not lib.ft_swiglu_supported():
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ft_swiglu_openmp.argtypes = []
     lib.ft_swiglu_fwd.argtypes = [p, p, p, i64, i32]
     lib.ft_swiglu_bwd.argtypes = [p, p, p, p, p, i64, i32]
     return lib
@@ -60,7 +65,7 @@ def swiglu_backend(g: torch.Tensor, u: torch.Tensor) -> str:
 def _fwd(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     g, u = g.contiguous(), u.contiguous()
     h = torch.empty_like(g)
-    _library().ft_swiglu_fwd(_ptr(g), _ptr(u), _ptr(h), g.numel(), _THREADS)
+    _library().ft_swiglu_fwd(_ptr(g), _ptr(u), _ptr(h), g.numel(), _threads(g.numel()))
     return h
 
 
@@ -73,7 +78,7 @@ def _(g, u):
 def _bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
     dg, du = torch.empty_like(g), torch.empty_like(u)
-    _library().ft_swiglu_bwd(_ptr(dh), _ptr(g), _ptr(u), _ptr(dg), _ptr(du), g.numel(), _THREADS)
+    _library().ft_swiglu_bwd(_ptr(dh), _ptr(g), _ptr(u), _ptr(dg), _ptr(du), g.numel(), _threads(g.numel()))
     return dg, du
 
 

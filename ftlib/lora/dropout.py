@@ -92,18 +92,25 @@ def apply_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x * mask.to(x.dtype)
 
 
-# The kernels run on the calling thread. Split over two std::threads beside torch's OpenMP pool they
-# competed with its spin-waiting workers: bench_train.py's step at 2 threads took 0.976 ms a token
-# that way, 0.925 on one thread, 0.945 with the PyTorch ops (median of 10 alternating steps).
-_THREADS = 1
+# Below this many elements of x a product runs on one thread (a parallel region costs a few us).
+_PARALLEL_MIN = 1 << 16
+
+
+def _threads(n: int) -> int:
+    """Threads for a product over n elements: torch's intra-op count when the library shares torch's
+    OpenMP runtime (``ftlib._cbuild``), else 1. Split over std::threads of their own beside torch's
+    pool, the kernels competed with its spin-waiting workers (bench_train.py's step at 2 threads:
+    0.976 ms a token that way, 0.925 on one thread, 0.945 with the PyTorch ops)."""
+    return torch.get_num_threads() if n >= _PARALLEL_MIN and _library().ft_lora_openmp() else 1
 
 
 @functools.cache
 def _library():
     """The built ``csrc/lora_dropout.cpp`` with its signatures declared, or None."""
-    lib = load_library("lora_dropout.cpp")
+    lib = load_library("lora_dropout.cpp", openmp=True)
     if lib is not None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.ft_lora_openmp.argtypes = []
         lib.ft_lora_supported.argtypes = [i32]
         lib.ft_lora_masked_xa.argtypes = [p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
         lib.ft_lora_masked_dx.argtypes = [p, p, p, p, i64, i64, i32, i32]
@@ -133,7 +140,7 @@ def _cpu_xa(x: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor, scale: fl
     x2, m2, at = x.reshape(-1, k).contiguous(), mask.reshape(-1, k).contiguous(), weight.t().contiguous()
     u = x.new_empty(x2.shape[0], r)
     _library().ft_lora_masked_xa(_ptr(x2), _ptr(m2), _ptr(at), _ptr(u), x2.shape[0], k, r, scale,
-                                 _THREADS)
+                                 _threads(x2.numel()))
     return u.view(*x.shape[:-1], r)
 
 
@@ -148,7 +155,7 @@ def _cpu_dx(du: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor) -> torch
     k, r = weight.shape[1], weight.shape[0]
     du2, a, m2 = du.reshape(-1, r).contiguous(), weight.contiguous(), mask.reshape(-1, k).contiguous()
     dx = du.new_empty(du2.shape[0], k)
-    _library().ft_lora_masked_dx(_ptr(du2), _ptr(a), _ptr(m2), _ptr(dx), du2.shape[0], k, r, _THREADS)
+    _library().ft_lora_masked_dx(_ptr(du2), _ptr(a), _ptr(m2), _ptr(dx), du2.shape[0], k, r, _threads(dx.numel()))
     return dx.view(*mask.shape)
 
 
@@ -163,7 +170,7 @@ def _cpu_da(du: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     k, r = x.shape[-1], du.shape[-1]
     du2, x2, m2 = du.reshape(-1, r).contiguous(), x.reshape(-1, k).contiguous(), mask.reshape(-1, k).contiguous()
     da = x.new_empty(r, k)
-    _library().ft_lora_masked_da(_ptr(du2), _ptr(x2), _ptr(m2), _ptr(da), x2.shape[0], k, r, _THREADS)
+    _library().ft_lora_masked_da(_ptr(du2), _ptr(x2), _ptr(m2), _ptr(da), x2.shape[0], k, r, _threads(x2.numel()))
     return da
 
 
