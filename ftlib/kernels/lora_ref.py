@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["dropout_mask_ref", "dropout_threshold", "lora_matmul_ref", "philox4x32", "uniform16_ref"]
+__all__ = ["dropout_mask_ref", "dropout_threshold", "lora_matmul_ref", "philox4x32", "rng_words", "uniform16_ref"]
 
 _U32 = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers

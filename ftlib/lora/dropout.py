@@ -15,10 +15,15 @@ What the textbook form (``nn.Dropout`` then ``nn.Linear``) costs, and what is do
    The ``1 / (1 - p)`` scale (and the caller's, e.g. LoRA's ``alpha / r``) is applied to the [.., r]
    output, not to x.
 2. Time on CPU. torch's CPU generator fills a Bernoulli mask at 6-9 ns per element
-   (``bernoulli_`` on 2048 x 1408 fp32: 18-26 ms of CPU time on one core, measured); numpy's
-   PCG64 gives 16 random bits per element at under 1 ns (``random_raw``: 2.2 ms for that mask). The numpy generator is seeded from one draw of
-   torch's default generator per mask, so ``torch.manual_seed`` still fixes every mask and a
-   saved torch RNG state resumes them. On CUDA torch's own (Philox) generator is used.
+   (``bernoulli_`` on 2048 x 1408 fp32: 18-26 ms of CPU time on one core, measured). The mask here
+   is the counter-based Philox4x32-10 stream of the fused LoRA kernels
+   (``ftlib.kernels.lora_ref.uniform16_ref``: 16 bits per element, counter = (column // 8, row,
+   offset), offset 0), computed in ``csrc/lora_dropout.cpp`` eight Philox calls per AVX2 register
+   and split over torch's threads (2048 x 1408: 1.2 ms on one core, 0.57 ms on two, against 1.4 ms
+   for numpy's PCG64 ``random_raw`` on one), the same stream in PyTorch ops where the library
+   cannot be built. The seed is one draw of torch's default generator per mask, so
+   ``torch.manual_seed`` fixes every mask and a saved torch RNG state resumes them. On CUDA
+   torch's own (Philox) generator is used.
 
 3. The products on CPU. ``x * m`` widened to fp32 and fed to a skinny GEMM costs ~5 passes over
    an [N, in] tensor per product. For fp32 on an AVX2 + FMA CPU with a rank that is a multiple of
@@ -39,12 +44,12 @@ import ctypes
 import functools
 import os
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ftlib._cbuild import load_library
 from ftlib._cbuild import tensor_ptr as _ptr
+from ftlib.kernels.lora_ref import rng_words, uniform16_ref
 
 __all__ = ["apply_mask", "dropout_mask", "kept_fraction", "masked_linear"]
 
@@ -62,10 +67,16 @@ def kept_fraction(p: float, device_type: str = "cpu") -> float:
 
 @torch.library.custom_op("ftlib::cpu_dropout_mask", mutates_args=())
 def _cpu_mask(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
-    # an opaque op, so torch.compile neither traces numpy nor breaks the graph on the seed
-    n = x.numel()
-    words = np.random.PCG64(int(seed)).random_raw(-(-n // 4))  # 64 random bits = four 16-bit draws
-    return torch.from_numpy(words.view(np.uint16)[:n] >= _threshold(p)).view(x.shape)
+    # an opaque op, so torch.compile neither traces the generator nor breaks the graph on the seed
+    cols = x.shape[-1] if x.dim() else 1
+    rows = x.numel() // max(1, cols)
+    key0, key1, c2, c3 = rng_words(int(seed), 0)
+    lib = _library()
+    if lib is None or not lib.ft_lora_supported(8) or x.numel() == 0:  # the same stream in torch ops (slower)
+        return (uniform16_ref(int(seed), 0, rows, cols) >= _threshold(p)).view(x.shape)
+    out = torch.empty(x.shape, dtype=torch.bool)
+    lib.ft_lora_dropout_mask(_ptr(out), rows, cols, key0, key1, c2, c3, _threshold(p), _threads(x.numel()))
+    return out
 
 
 @_cpu_mask.register_fake
@@ -112,6 +123,8 @@ def _library():
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.ft_lora_openmp.argtypes = []
         lib.ft_lora_supported.argtypes = [i32]
+        lib.ft_lora_dropout_mask.argtypes = [p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
+                                             ctypes.c_uint32, ctypes.c_uint32, i32]
         lib.ft_lora_masked_xa.argtypes = [p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
         lib.ft_lora_masked_dx.argtypes = [p, p, p, p, i64, i64, i32, i32]
         lib.ft_lora_masked_da.argtypes = [p, p, p, p, i64, i64, i32, i32]

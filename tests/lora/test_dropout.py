@@ -1,5 +1,6 @@
 """Adapter-input dropout: the law of the mask, its seeding, exact gradients and what backward keeps."""
 
+import importlib
 import math
 
 import pytest
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ftlib.lora.layers as layers_mod
+from ftlib.kernels.lora_ref import uniform16_ref
 from ftlib.lora import LoRALinear
 from ftlib.lora.dropout import dropout_mask, kept_fraction, masked_linear
 
@@ -33,6 +35,32 @@ def test_mask_law_independence_and_exact_expectation(p):
     nxt = (m1[:, 1:] & m1[:, :-1]).float().mean().item()  # neighbours independent too
     assert abs(nxt - q * q) < 5 * math.sqrt(q * q * (1 - q * q) / n)
     assert not torch.equal(m1, m2)
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 7), (2, 63), (5, 64), (4, 65), (3, 300), (2, 3, 513)])
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_cpu_mask_is_the_fused_kernels_philox_stream(monkeypatch, shape, p, compiled):
+    """The CPU mask is ``uniform16_ref(seed, 0, rows, cols) >= round(p 2^16)`` of the flattened
+    [rows, cols] input, seed one draw of torch's generator: the C++ kernel's 256- and 64-column
+    vector blocks and its scalar tail, split over 3 threads, and the PyTorch fallback (no library)."""
+    dropout = importlib.import_module("ftlib.lora.dropout")
+    if compiled:
+        lib = dropout._library()
+        if lib is None or not lib.ft_lora_supported(8):
+            pytest.skip("csrc/lora_dropout.cpp needs a C++ compiler and an AVX2 + FMA CPU")
+        monkeypatch.setattr(dropout, "_threads", lambda n: 3)
+    else:
+        monkeypatch.setattr(dropout, "_library", lambda: None)
+    torch.manual_seed(11)
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    torch.manual_seed(11)
+    mask, scale = dropout_mask(torch.empty(shape), p)
+    cols = shape[-1]
+    t = round(p * 65536)
+    want = (uniform16_ref(seed, 0, math.prod(shape) // cols, cols) >= t).view(shape)
+    assert mask.dtype == torch.bool and torch.equal(mask, want)
+    assert scale == 65536 / (65536 - t)
 
 
 def test_masks_follow_torch_seed_and_rng_state():
