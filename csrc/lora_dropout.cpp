@@ -3,6 +3,7 @@
 //
 //   xa:  u[t, j]  = scale * sum_k x[t, k] m[t, k] A[j, k]     forward,      (N, K) -> (N, r)
 //   dx:  dx[t, k] = m[t, k] * sum_j du[t, j] A[j, k]           input grad,   (N, r) -> (N, K)
+//        (or added to what dx holds: the base layer's input gradient, no separate sum pass)
 //   da:  dA[j, k] = sum_t du[t, j] x[t, k] m[t, k]             weight grad,  -> (r, K)
 //
 // and the keep mask itself (ft_lora_dropout_mask): m[i, k] = (u16(i, k) >= t), u16 the 16-bit uniforms
@@ -85,7 +86,7 @@ __attribute__((target("avx2,fma"))) void xa_rows(const float* x, const uint8_t* 
 }
 
 // dx rows [t0, t1); a = A (r, K). 32 columns (4 vectors) x 2 rows at a time, scalar tail.
-template <int ROWS>
+template <int ROWS, bool ADD>
 __attribute__((target("avx2,fma"))) void dx_rows(const float* du, const float* a, const uint8_t* m, float* dx,
                                                  int64_t t0, int64_t t1, int64_t K, int r) {
   int64_t t = t0;
@@ -106,7 +107,8 @@ __attribute__((target("avx2,fma"))) void dx_rows(const float* du, const float* a
       for (int q = 0; q < ROWS; ++q)
         for (int i = 0; i < 4; ++i) {
           const int64_t o = (t + q) * K + k + 8 * i;
-          _mm256_storeu_ps(dx + o, _mm256_mul_ps(acc[q][i], mask8(m + o)));
+          const __m256 v = _mm256_mul_ps(acc[q][i], mask8(m + o));
+          _mm256_storeu_ps(dx + o, ADD ? _mm256_add_ps(_mm256_loadu_ps(dx + o), v) : v);
         }
     }
     for (; k < K; ++k)
@@ -114,10 +116,10 @@ __attribute__((target("avx2,fma"))) void dx_rows(const float* du, const float* a
         float s = 0.f;
         for (int j = 0; j < r; ++j) s += du[(t + q) * r + j] * a[j * K + k];
         const int64_t o = (t + q) * K + k;
-        dx[o] = s * static_cast<float>(m[o]);
+        dx[o] = (ADD ? dx[o] : 0.f) + s * static_cast<float>(m[o]);
       }
   }
-  if (t < t1) dx_rows<1>(du, a, m, dx, t, t1, K, r);
+  if (t < t1) dx_rows<1, ADD>(du, a, m, dx, t, t1, K, r);
 }
 
 // dA columns [k0, k1) (k0 a multiple of 16). Rows t in chunks of 64 (their x and m slices stay in
@@ -295,9 +297,15 @@ void ft_lora_masked_xa(const float* x, const uint8_t* m, const float* at, float*
   });
 }
 
+// accumulate: 1 adds the product to dx's contents, 0 overwrites them.
 void ft_lora_masked_dx(const float* du, const float* a, const uint8_t* m, float* dx, int64_t N, int64_t K, int r,
-                       int threads) {
-  parallel(N, threads, 2, [&](int64_t t0, int64_t t1) { dx_rows<2>(du, a, m, dx, t0, t1, K, r); });
+                       int accumulate, int threads) {
+  parallel(N, threads, 2, [&](int64_t t0, int64_t t1) {
+    if (accumulate)
+      dx_rows<2, true>(du, a, m, dx, t0, t1, K, r);
+    else
+      dx_rows<2, false>(du, a, m, dx, t0, t1, K, r);
+  });
 }
 
 void ft_lora_masked_da(const float* du, const float* x, const uint8_t* m, float* da, int64_t N, int64_t K, int r,

@@ -34,7 +34,7 @@ from torch import nn
 
 from ._fused import fused_forward
 from .dora import dora_row_norm, row_sq_norm
-from .dropout import apply_mask, dropout_mask, masked_linear
+from .dropout import apply_mask, dropout_mask, masked_linear, masked_lora_linear
 from .nf4 import NF4Linear
 
 __all__ = ["LoRALinear"]
@@ -144,10 +144,24 @@ class LoRALinear(nn.Module):
             fused = fused_forward(self, x)  # the fused Triton op on CUDA (FTLIB_LORA_BACKEND), else None
             if fused is not None:
                 return fused
+            fused = self._masked_cpu_forward(x)  # the CPU kernels' one-node layer, else None
+            if fused is not None:
+                return fused
         result = self.base_layer(x)  # (..., out), includes the bias
         if self.disabled or self.merged:
             return result
         return self.add_adapter(x, result)
+
+    def _masked_cpu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The whole layer as ``ftlib.lora.dropout.masked_lora_linear`` (LoRA with input dropout in
+        training, a dense frozen ``nn.Linear`` base, fp32 on CPU), or None for the general path."""
+        drop, base = self.lora_dropout, self.base_layer
+        if self.use_dora or type(drop) is not nn.Dropout or not drop.training or drop.p <= 0.0:
+            return None
+        if type(base) is not nn.Linear:
+            return None
+        return masked_lora_linear(x, base.weight, base.bias, self.lora_A.weight, self.lora_B.weight, drop.p,
+                                  self.scaling)
 
     def add_adapter(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         """``result`` plus this adapter's update for input x, where ``result = base_layer(x)``.

@@ -249,3 +249,33 @@ def test_lora_layer_cpu_kernels_equal_torch_ops(monkeypatch):
     assert len(calls) == n
     for t, w in zip(got, want):
         torch.testing.assert_close(t, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(37, 40), (2, 19, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_node_cpu_layer_equals_the_general_path(monkeypatch, shape, bias):
+    """A frozen fp32 ``nn.Linear`` base with a dropout adapter on CPU runs as one autograd node
+    (``masked_lora_linear``: dx = dy W with the adapter's masked part added in place, B's product
+    accumulated into the output); output and the gradients of x, A and B equal the general path's
+    (base layer, then ``masked_linear`` and B's in-place product) on the same mask."""
+    _cpu_lib_or_skip(8)
+    taken = []
+    real = layers_mod.masked_lora_linear
+    monkeypatch.setattr(layers_mod, "masked_lora_linear", lambda *a: taken.append(1) or real(*a))
+
+    def run():
+        torch.manual_seed(0)
+        layer = LoRALinear(nn.Linear(40, 24, bias=bias), 8, 16, dropout=0.2).train()
+        layer.base_layer.requires_grad_(False)
+        nn.init.normal_(layer.lora_B.weight)
+        x = torch.randn(*shape, requires_grad=True)
+        y = layer(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+        return y.detach(), x.grad, layer.lora_A.weight.grad, layer.lora_B.weight.grad
+
+    got = run()
+    assert len(taken) == 1
+    monkeypatch.setattr(layers_mod.LoRALinear, "_masked_cpu_forward", lambda self, x: None)
+    want = run()
+    for name, t, w in zip(("y", "dx", "dA", "dB"), got, want):
+        torch.testing.assert_close(t, w, rtol=1e-5, atol=1e-5, msg=name)
