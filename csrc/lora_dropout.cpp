@@ -59,13 +59,24 @@ __attribute__((target("avx2,fma"))) inline __m256 mask8(const uint8_t* m) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
 }
 
-// u rows [t0, t1): ROWS rows at a time, R vectors of 8 outputs each (r = 8 R); at = A^T (K, r).
+// out[k] = x[k] * m[k] for k < K (one row), 8 at a time.
+__attribute__((target("avx2,fma"))) inline void masked_row(const float* x, const uint8_t* m, float* out, int64_t K) {
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_loadu_ps(x + k), mask8(m + k)));
+  for (; k < K; ++k) out[k] = x[k] * static_cast<float>(m[k]);
+}
+
+// u rows [t0, t1): ROWS rows at a time, R vectors of 8 outputs each (r = 8 R); at = A^T (K, r). The
+// rows' x * m is written to a buffer first (vector ops), so the inner loop is one broadcast load
+// and R fused multiply-adds per row and k.
 template <int R, int ROWS>
 __attribute__((target("avx2,fma"))) void xa_rows(const float* x, const uint8_t* m, const float* at, float* u,
                                                  int64_t t0, int64_t t1, int64_t K, float scale) {
   constexpr int r = 8 * R;
+  std::vector<float> xm(static_cast<size_t>(ROWS * K));
   int64_t t = t0;
   for (; t + ROWS <= t1; t += ROWS) {
+    for (int q = 0; q < ROWS; ++q) masked_row(x + (t + q) * K, m + (t + q) * K, xm.data() + q * K, K);
     __m256 acc[ROWS][R];
     for (int q = 0; q < ROWS; ++q)
       for (int i = 0; i < R; ++i) acc[q][i] = _mm256_setzero_ps();
@@ -73,8 +84,7 @@ __attribute__((target("avx2,fma"))) void xa_rows(const float* x, const uint8_t* 
       __m256 a[R];
       for (int i = 0; i < R; ++i) a[i] = _mm256_loadu_ps(at + k * r + 8 * i);
       for (int q = 0; q < ROWS; ++q) {
-        const int64_t o = (t + q) * K + k;
-        __m256 xv = _mm256_set1_ps(x[o] * static_cast<float>(m[o]));
+        const __m256 xv = _mm256_broadcast_ss(xm.data() + q * K + k);
         for (int i = 0; i < R; ++i) acc[q][i] = _mm256_fmadd_ps(xv, a[i], acc[q][i]);
       }
     }
@@ -132,6 +142,12 @@ __attribute__((target("avx2,fma"))) void da_cols(const float* du, const float* x
   for (int64_t c0 = 0; c0 < N; c0 += 64) {
     const int64_t c1 = std::min(N, c0 + 64);
     for (int64_t k = k0; k < kv; k += 16) {
+      alignas(32) float xb[64 * 16];  // this block's x * m, computed once for the r / 4 passes over j
+      for (int64_t t = c0; t < c1; ++t) {
+        const int64_t o = t * K + k;
+        _mm256_store_ps(xb + (t - c0) * 16, _mm256_mul_ps(_mm256_loadu_ps(x + o), mask8(m + o)));
+        _mm256_store_ps(xb + (t - c0) * 16 + 8, _mm256_mul_ps(_mm256_loadu_ps(x + o + 8), mask8(m + o + 8)));
+      }
       for (int j = 0; j < r; j += 4) {
         __m256 acc[4][2];
         for (int p = 0; p < 4; ++p) {
@@ -139,9 +155,7 @@ __attribute__((target("avx2,fma"))) void da_cols(const float* du, const float* x
           acc[p][1] = _mm256_loadu_ps(da + (j + p) * K + k + 8);
         }
         for (int64_t t = c0; t < c1; ++t) {
-          const int64_t o = t * K + k;
-          __m256 x0 = _mm256_mul_ps(_mm256_loadu_ps(x + o), mask8(m + o));
-          __m256 x1 = _mm256_mul_ps(_mm256_loadu_ps(x + o + 8), mask8(m + o + 8));
+          const __m256 x0 = _mm256_load_ps(xb + (t - c0) * 16), x1 = _mm256_load_ps(xb + (t - c0) * 16 + 8);
           for (int p = 0; p < 4; ++p) {
             __m256 d = _mm256_set1_ps(du[t * r + j + p]);
             acc[p][0] = _mm256_fmadd_ps(d, x0, acc[p][0]);
