@@ -33,6 +33,8 @@ import math
 
 import torch
 
+from ftlib.kernels.rope import rope, rotate_half
+
 __all__ = ["apply_rope", "rope_cos_sin", "rope_inv_freq", "rotate_half"]
 
 
@@ -65,13 +67,7 @@ def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torc
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """cat(-x2, x1) where x = cat(x1, x2) along the last dim."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, H, D] by cos/sin [B, T, D] (broadcast over the heads)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B, T, 1, D)
-    return torch.addcmul(x * cos, rotate_half(x), sin)  # one temporary fewer than x * cos + r * sin
+    """Rotate x [B, T, H, D] by cos/sin [B, T, D] (broadcast over the heads): ``x * cos +
+    rotate_half(x) * sin`` as ``ftlib.kernels.rope`` (one pass each way on CPU)."""
+    return rope(x, cos, sin)
