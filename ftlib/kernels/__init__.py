@@ -24,6 +24,9 @@ on-device synonym swap / masking of ``ftlib.augment``, ``augment_tokens_ref`` it
 backend follows ``FTLIB_AUGMENT_BACKEND=auto|triton|torch`` (``augment.py``), the kernel
 is launched by ``ftlib.kernels.augment_triton``.
 
+``rms_norm(x, weight, eps)`` is the Llama RMSNorm as one autograd op, with a fused C++ kernel on
+CPU (``csrc/rmsnorm.cpp``; ``FTLIB_RMSNORM_BACKEND=auto|torch``).
+
 ``rope(x, cos, sin)`` is RoPE's rotation of q or k as one autograd op, with a fused C++ kernel
 on CPU (``csrc/rope.cpp``; ``FTLIB_ROPE_BACKEND=auto|torch``).
 
@@ -38,9 +41,11 @@ from .augment import augment_backend, augment_tokens
 from .augment_ref import augment_tokens_ref
 from .lora import lora_backend, lora_matmul
 from .lora_ref import lora_matmul_ref
+from .rmsnorm import rms_norm, rms_norm_backend
 from .rope import rope, rope_backend, rotate_half
 from .swiglu import swiglu, swiglu_backend
 
 __all__ = ["attention", "attention_backend", "attention_ref", "attention_sdpa", "augment_backend", "augment_tokens",
-           "augment_tokens_ref", "lora_backend", "lora_matmul", "lora_matmul_ref", "rope", "rope_backend", "rotate_half",
+           "augment_tokens_ref", "lora_backend", "lora_matmul", "lora_matmul_ref", "rms_norm",
+           "rms_norm_backend", "rope", "rope_backend", "rotate_half",
            "swiglu", "swiglu_backend"]
