@@ -32,7 +32,9 @@ that the block is about 64 MiB on an accelerator (2048 rows at V = 8192, i.e. on
 BLAS packs it again for each of its two GEMMs, so 128-row chunks ran the 128k head 1.42x slower
 than one chunk of 768 rows (3.28 vs 2.31 s for 768 tokens, 2 threads, ``benchmarks/NOTES.md``). On CPU
 the fp32 block is laid out (V, chunk), computed as ``W @ h^T`` (faster in MKL than ``h @ W^T``: 755 vs
-940+ ms at V = 128k; see ``_vocab_major``), with the softmax along its first dimension. Without a backward (eval,
+940+ ms at V = 128k; see ``_vocab_major``), with the softmax along its first dimension, in two passes over the block for fp32 on an AVX2
+CPU (``ftlib.kernels.xent_block_``: 197 -> 58 ms for a 131072 x 767 block, 2 threads, against the
+five passes of the PyTorch ops). Without a backward (eval,
 ``torch.no_grad()``) no gradient is computed. Tokens without a label are dropped before any
 matmul. The same idea as Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024, "Liger
 Kernel: Efficient Triton Kernels for LLM Training"), which also computes the gradient in forward.
@@ -49,6 +51,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ftlib.kernels.xent_block import xent_block_, xent_block_backend
 
 __all__ = ["BATCH_KEYS", "CausalLMLoss", "IGNORE_INDEX", "auto_chunk_size", "bradley_terry_loss",
            "causal_lm_loss", "chunked_cross_entropy", "count_target_tokens", "cross_entropy_sum", "head_weight"]
@@ -137,14 +141,18 @@ class _ChunkedCE(torch.autograd.Function):
                 if z.dtype != acc:
                     z = z.to(acc)  # the `dtype` block is freed here: 1.5 blocks at most
                 z_y = z.gather(d, yc)  # label logits, before z is overwritten
-                m = z.amax(dim=d, keepdim=True)
-                z.sub_(m).exp_()  # exp(z - max), in place
-                total_c = z.sum(dim=d, keepdim=True)
-                total += (m + total_c.log() - z_y).sum()  # sum of lse - z_y
+                if tr and xent_block_backend(z) == "cpp":  # two passes over the block instead of five
+                    total += (xent_block_(z, yc[0], need_h or need_w) - z_y[0]).sum()
+                else:
+                    m = z.amax(dim=d, keepdim=True)
+                    z.sub_(m).exp_()  # exp(z - max), in place
+                    total_c = z.sum(dim=d, keepdim=True)
+                    total += (m + total_c.log() - z_y).sum()  # sum of lse - z_y
+                    if need_h or need_w:
+                        z.div_(total_c)  # softmax
+                        z.scatter_add_(d, yc, torch.full_like(z_y, -1.0))  # dL/dz = softmax - onehot(y), at g = 1
                 zc = z.t() if tr else z  # (C, V)
                 if need_h or need_w:
-                    z.div_(total_c)  # softmax
-                    z.scatter_add_(d, yc, torch.full_like(z_y, -1.0))  # dL/dz = softmax - onehot(y), at g = 1
                     if need_h:
                         grad_h[s : s + chunk_size] = (zc.to(dtype) @ w).to(h.dtype)
                     if need_w:

@@ -24,6 +24,10 @@ on-device synonym swap / masking of ``ftlib.augment``, ``augment_tokens_ref`` it
 backend follows ``FTLIB_AUGMENT_BACKEND=auto|triton|torch`` (``augment.py``), the kernel
 is launched by ``ftlib.kernels.augment_triton``.
 
+``xent_block_(z, y, grad)`` is the chunked cross-entropy's softmax step on one (V, C) block of
+logits (log-sum-exp per column and, in place, softmax minus one-hot), fused in ``csrc/xent_block.cpp``
+on CPU (``FTLIB_XENT_BACKEND=auto|torch``).
+
 ``rms_norm(x, weight, eps)`` is the Llama RMSNorm as one autograd op, with a fused C++ kernel on
 CPU (``csrc/rmsnorm.cpp``; ``FTLIB_RMSNORM_BACKEND=auto|torch``).
 
@@ -44,8 +48,9 @@ from .lora_ref import lora_matmul_ref
 from .rmsnorm import rms_norm, rms_norm_backend
 from .rope import rope, rope_backend, rotate_half
 from .swiglu import swiglu, swiglu_backend
+from .xent_block import xent_block_, xent_block_backend
 
 __all__ = ["attention", "attention_backend", "attention_ref", "attention_sdpa", "augment_backend", "augment_tokens",
            "augment_tokens_ref", "lora_backend", "lora_matmul", "lora_matmul_ref", "rms_norm",
            "rms_norm_backend", "rope", "rope_backend", "rotate_half",
-           "swiglu", "swiglu_backend"]
+           "swiglu", "swiglu_backend", "xent_block_", "xent_block_backend"]
