@@ -25,34 +25,11 @@
 #include <thread>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "cpu_kernels.h"
 
 namespace {
 
-// fn over [0, n) in `threads` ranges, each a multiple of `align` long (the last one shorter): in an
-// OpenMP parallel region when built with -fopenmp (the threads of the runtime torch runs, see
-// ftlib/_cbuild.py), else on std::threads.
-void parallel(int64_t n, int threads, int64_t align, const std::function<void(int64_t, int64_t)>& fn) {
-  threads = std::max(1, threads);
-  int64_t per = (n + threads - 1) / threads;
-  per = std::max<int64_t>(align, (per + align - 1) / align * align);
-  const int64_t chunks = (n + per - 1) / per;
-  if (chunks <= 1) {
-    fn(0, n);
-    return;
-  }
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(static_cast<int>(chunks)) schedule(static, 1)
-  for (int64_t c = 0; c < chunks; ++c) fn(c * per, std::min(n, (c + 1) * per));
-#else
-  std::vector<std::thread> pool;
-  for (int64_t s = per; s < n; s += per) pool.emplace_back(fn, s, std::min(n, s + per));
-  fn(0, std::min(n, per));
-  for (auto& th : pool) th.join();
-#endif
-}
+using ftlib_cpu::parallel;
 
 __attribute__((target("avx2,fma"))) inline __m256 mask8(const uint8_t* m) {
   __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m));

@@ -17,30 +17,11 @@
 #include <thread>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "cpu_kernels.h"
 
 namespace {
 
-void parallel(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& fn) {
-  threads = std::max(1, threads);
-  const int64_t per = std::max<int64_t>(1, (n + threads - 1) / threads);
-  const int64_t chunks = (n + per - 1) / per;
-  if (chunks <= 1) {
-    fn(0, n);
-    return;
-  }
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(static_cast<int>(chunks)) schedule(static, 1)
-  for (int64_t c = 0; c < chunks; ++c) fn(c * per, std::min(n, (c + 1) * per));
-#else
-  std::vector<std::thread> pool;
-  for (int64_t s = per; s < n; s += per) pool.emplace_back(fn, s, std::min(n, s + per));
-  fn(0, std::min(n, per));
-  for (auto& th : pool) th.join();
-#endif
-}
+using ftlib_cpu::parallel;
 
 __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -124,13 +105,13 @@ int ft_rmsnorm_supported() {
 // y [rows, H] and r [rows] from x [rows, H], w [H].
 void ft_rmsnorm_fwd(const float* x, const float* w, float* y, float* r, int64_t rows, int64_t H, float eps,
                     int threads) {
-  parallel(rows, threads, [&](int64_t a, int64_t b) { fwd_rows(x, w, y, r, a, b, H, eps); });
+  parallel(rows, threads, 1, [&](int64_t a, int64_t b) { fwd_rows(x, w, y, r, a, b, H, eps); });
 }
 
 // dx [rows, H] from dy, x [rows, H], w [H], r [rows].
 void ft_rmsnorm_bwd(const float* dy, const float* x, const float* w, const float* r, float* dx, int64_t rows, int64_t H,
                     int threads) {
-  parallel(rows, threads, [&](int64_t a, int64_t b) { bwd_rows(dy, x, w, r, dx, a, b, H); });
+  parallel(rows, threads, 1, [&](int64_t a, int64_t b) { bwd_rows(dy, x, w, r, dx, a, b, H); });
 }
 
 }  // extern "C"

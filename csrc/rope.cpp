@@ -19,30 +19,11 @@
 #include <thread>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "cpu_kernels.h"
 
 namespace {
 
-void parallel(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& fn) {
-  threads = std::max(1, threads);
-  const int64_t per = std::max<int64_t>(1, (n + threads - 1) / threads);
-  const int64_t chunks = (n + per - 1) / per;
-  if (chunks <= 1) {
-    fn(0, n);
-    return;
-  }
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(static_cast<int>(chunks)) schedule(static, 1)
-  for (int64_t c = 0; c < chunks; ++c) fn(c * per, std::min(n, (c + 1) * per));
-#else
-  std::vector<std::thread> pool;
-  for (int64_t s = per; s < n; s += per) pool.emplace_back(fn, s, std::min(n, s + per));
-  fn(0, std::min(n, per));
-  for (auto& th : pool) th.join();
-#endif
-}
+using ftlib_cpu::parallel;
 
 template <bool ADJOINT>
 __attribute__((target("avx2,fma"))) void rope_rows(const float* x, const float* cs, const float* sn, float* y,
@@ -102,7 +83,7 @@ int ft_rope_supported() {
 // y = rope(x) (adjoint 0) or its transpose (adjoint 1); x, y [T, H, D], cos/sin [T, D], D even.
 void ft_rope(const float* x, const float* cs, const float* sn, float* y, int64_t T, int64_t H, int64_t D, int adjoint,
              int threads) {
-  parallel(T, threads, [&](int64_t a, int64_t b) {
+  parallel(T, threads, 1, [&](int64_t a, int64_t b) {
     if (adjoint)
       rope_rows<true>(x, cs, sn, y, a, b, H, D);
     else

@@ -18,50 +18,12 @@
 #include <thread>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "cpu_kernels.h"
 
 namespace {
 
-// fn over [0, n) in `threads` ranges of a multiple of 64 elements (the last one shorter): in an
-// OpenMP parallel region when built with -fopenmp (the threads of the runtime torch runs, see
-// ftlib/_cbuild.py), else on std::threads.
-void parallel(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& fn) {
-  threads = std::max(1, threads);
-  const int64_t per = std::max<int64_t>(64, ((n + threads - 1) / threads + 63) / 64 * 64);
-  const int64_t chunks = (n + per - 1) / per;
-  if (chunks <= 1) {
-    fn(0, n);
-    return;
-  }
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(static_cast<int>(chunks)) schedule(static, 1)
-  for (int64_t c = 0; c < chunks; ++c) fn(c * per, std::min(n, (c + 1) * per));
-#else
-  std::vector<std::thread> pool;
-  for (int64_t s = per; s < n; s += per) pool.emplace_back(fn, s, std::min(n, s + per));
-  fn(0, std::min(n, per));
-  for (auto& th : pool) th.join();
-#endif
-}
-
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+using ftlib_cpu::exp8;
+using ftlib_cpu::parallel;
 
 __attribute__((target("avx2,fma"))) inline __m256 sigmoid8(__m256 g) {
   const __m256 one = _mm256_set1_ps(1.0f);
@@ -119,11 +81,11 @@ int ft_swiglu_supported() {
 }
 
 void ft_swiglu_fwd(const float* g, const float* u, float* h, int64_t n, int threads) {
-  parallel(n, threads, [&](int64_t a, int64_t b) { fwd_range(g, u, h, a, b); });
+  parallel(n, threads, 64, [&](int64_t a, int64_t b) { fwd_range(g, u, h, a, b); });
 }
 
 void ft_swiglu_bwd(const float* dh, const float* g, const float* u, float* dg, float* du, int64_t n, int threads) {
-  parallel(n, threads, [&](int64_t a, int64_t b) { bwd_range(dh, g, u, dg, du, a, b); });
+  parallel(n, threads, 64, [&](int64_t a, int64_t b) { bwd_range(dh, g, u, dg, du, a, b); });
 }
 
 }  // extern "C"

@@ -21,45 +21,11 @@
 #include <thread>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "cpu_kernels.h"
 
 namespace {
 
-void parallel(int64_t chunks, const std::function<void(int64_t)>& fn) {
-  if (chunks <= 1) {
-    fn(0);
-    return;
-  }
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(static_cast<int>(chunks)) schedule(static, 1)
-  for (int64_t c = 0; c < chunks; ++c) fn(c);
-#else
-  std::vector<std::thread> pool;
-  for (int64_t c = 1; c < chunks; ++c) pool.emplace_back(fn, c);
-  fn(0);
-  for (auto& th : pool) th.join();
-#endif
-}
-
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  // clamp with x as the second operand: max/min return it when it is NaN, so a NaN stays NaN
-  x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+using ftlib_cpu::exp8;
 
 inline float exp1(float x) { return std::exp(std::max(x, -87.3f)); }
 
@@ -151,7 +117,7 @@ void ft_xent_block(float* z, int64_t V, int64_t C, int64_t ld, const int64_t* y,
   const int64_t per = (V + parts - 1) / parts;
   std::vector<float> ms(parts * C, -inf), scratch(parts * 2 * C);
   std::vector<double> ss(parts * C, 0.0);
-  parallel(parts, [&](int64_t p) {
+  ftlib_cpu::parallel_for(parts, [&](int64_t p) {
     const int64_t v0 = p * per, v1 = std::min(V, v0 + per);
     if (v0 < v1) stats_rows(z, ld, C, v0, v1, ms.data() + p * C, ss.data() + p * C, scratch.data() + p * 2 * C);
   });
@@ -164,7 +130,7 @@ void ft_xent_block(float* z, int64_t V, int64_t C, int64_t ld, const int64_t* y,
     lse[c] = m + static_cast<float>(std::log(s));
   }
   if (!grad) return;
-  parallel(parts, [&](int64_t p) {
+  ftlib_cpu::parallel_for(parts, [&](int64_t p) {
     const int64_t v0 = p * per, v1 = std::min(V, v0 + per);
     if (v0 < v1) grad_rows(z, ld, C, v0, v1, lse);
   });

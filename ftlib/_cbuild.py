@@ -3,7 +3,8 @@
 Used by the data path (``ftlib.data``: packing, the byte-level BPE) and by the CPU compute kernels
 (LoRA's dropout products, ``ftlib.lora.dropout``; SwiGLU, ``ftlib.kernels.swiglu``).
 
-One library per source file and source hash, under ``$FTLIB_CACHE_DIR/csrc/<hash>/``
+One library per source file and hash of the source and the local headers it includes, under
+``$FTLIB_CACHE_DIR/csrc/<hash>/``
 (default ``~/.cache/ftlib``), compiled with the system C++ compiler (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``) as ``-O3 -std=c++17 -shared -fPIC``. A source checkout reads
 ``<repo>/csrc``; an installed wheel carries the same files as ``ftlib/_csrc``. The library is
@@ -24,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 
@@ -79,6 +81,18 @@ def _build(cxx: str, src_path: str, out: str, openmp_runtime: str | None) -> boo
             os.remove(obj)
 
 
+def _source_with_headers(src_path: str) -> bytes:
+    """The source's bytes followed by those of each header it includes from its own folder
+    (``#include "x.h"``): what the build's hash covers, so a changed header rebuilds its users."""
+    src = open(src_path, "rb").read()
+    out = [src]
+    for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', src, flags=re.M):
+        header = os.path.join(os.path.dirname(src_path), name.decode())
+        if os.path.isfile(header):
+            out.append(b"\0" + name + b"\0" + open(header, "rb").read())
+    return b"".join(out)
+
+
 def load_library(name: str, openmp: bool = False) -> ctypes.CDLL | None:
     """The compiled ``csrc/<name>`` (built once per source hash), or None when it cannot be built.
 
@@ -91,7 +105,7 @@ def load_library(name: str, openmp: bool = False) -> ctypes.CDLL | None:
     src_path = csrc_path(name)
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx and os.path.exists(src_path):
-        src = open(src_path, "rb").read()
+        src = _source_with_headers(src_path)
         runtime = loaded_openmp_runtime() if openmp else None
         for rt in ([runtime, None] if runtime else [None]):
             key = hashlib.sha256(src + (b"\0openmp:" + rt.encode() if rt else b"")).hexdigest()[:16]

@@ -68,3 +68,15 @@ def test_failed_openmp_build_falls_back_to_a_plain_build(tmp_path, monkeypatch):
     # one library per (source, runtime): the plain build's directory only, no half-written file left
     built = sorted(p.name for p in (tmp_path / "cache" / "csrc").rglob("*") if p.is_file())
     assert built == ["libftlib_swiglu.so"], built
+
+
+def test_a_local_header_is_part_of_the_build_hash(tmp_path):
+    """A kernel's hash covers the headers it includes from its folder: editing the shared header
+    rebuilds every kernel that includes it (a stale library would keep the old code)."""
+    (tmp_path / "k.cpp").write_text('#include <cstdint>\n#include "shared.h"\nint f() { return g(); }\n')
+    (tmp_path / "shared.h").write_text("inline int g() { return 1; }\n")
+    before = _cbuild._source_with_headers(str(tmp_path / "k.cpp"))
+    assert b"return 1" in before
+    (tmp_path / "shared.h").write_text("inline int g() { return 2; }\n")
+    assert _cbuild._source_with_headers(str(tmp_path / "k.cpp")) != before
+    assert _cbuild._source_with_headers(_cbuild.csrc_path("bpe.cpp")) == open(_cbuild.csrc_path("bpe.cpp"), "rb").read()
