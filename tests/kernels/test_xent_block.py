@@ -2,9 +2,7 @@
 and softmax - onehot on odd block shapes and row strides), NaN kept, labels checked, and the
 chunked loss of an fp32 head through it against float64 ``F.cross_entropy``."""
 
-import contextlib
 import importlib
-import os
 
 import pytest
 import torch
@@ -19,19 +17,6 @@ from ftlib.losses import chunked_cross_entropy
 def _cpp_or_skip():
     if xent_block_backend(torch.zeros(4, 2)) != "cpp":
         pytest.skip("csrc/xent_block.cpp needs a C++ compiler and an AVX2 + FMA CPU")
-
-
-@contextlib.contextmanager
-def _backend_env(name):
-    old = os.environ.get("FTLIB_XENT_BACKEND")
-    os.environ["FTLIB_XENT_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["FTLIB_XENT_BACKEND"]
-        else:
-            os.environ["FTLIB_XENT_BACKEND"] = old
 
 
 @settings(max_examples=30, deadline=None)
@@ -94,7 +79,7 @@ def test_labels_are_checked():
 
 
 @pytest.mark.parametrize("vocab,chunk", [(1000, None), (517, 7), (4099, 64)])
-def test_chunked_loss_through_the_kernel_matches_float64(vocab, chunk):
+def test_chunked_loss_through_the_kernel_matches_float64(monkeypatch, vocab, chunk):
     """The chunked loss of an fp32 head on CPU (the (V, C) block, the fused softmax step) against
     float64 F.cross_entropy: loss and the gradients of the hidden states and the head; and equal to
     the PyTorch ops' path (FTLIB_XENT_BACKEND=torch) to fp32 rounding."""
@@ -106,9 +91,9 @@ def test_chunked_loss_through_the_kernel_matches_float64(vocab, chunk):
     labels[0, :5] = -100
     out = {}
     for backend in ("auto", "torch"):
-        with _backend_env(backend):
-            loss, n = chunked_cross_entropy(h, w, labels, chunk_size=chunk)
-            out[backend] = (loss, *torch.autograd.grad(loss, (h, w)))
+        monkeypatch.setenv("FTLIB_XENT_BACKEND", backend)
+        loss, n = chunked_cross_entropy(h, w, labels, chunk_size=chunk)
+        out[backend] = (loss, *torch.autograd.grad(loss, (h, w)))
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     logits = (h64[:, :-1] @ w64.t()).reshape(-1, vocab)
     ref = F.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
