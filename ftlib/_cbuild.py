@@ -29,7 +29,7 @@ import re
 import shutil
 import subprocess
 
-__all__ = ["cache_root", "csrc_path", "load_library", "loaded_openmp_runtime", "tensor_ptr"]
+__all__ = ["PARALLEL_MIN", "cache_root", "csrc_path", "kernel_threads", "load_library", "loaded_openmp_runtime", "tensor_ptr"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LOADED: dict[tuple[str, bool], ctypes.CDLL | None] = {}
@@ -123,6 +123,21 @@ def load_library(name: str, openmp: bool = False) -> ctypes.CDLL | None:
                 break
     _LOADED[(name, openmp)] = lib
     return lib
+
+
+# Below this many elements a kernel runs on one thread (a parallel region costs a few us).
+PARALLEL_MIN = 1 << 16
+
+
+def kernel_threads(openmp: bool, n: int) -> int:
+    """Threads for a CPU kernel call over n elements: torch's intra-op count when its library was
+    built against torch's OpenMP runtime (``openmp``, the library's own report) and n is at least
+    ``PARALLEL_MIN``, else 1. Kernels split over std::threads of their own beside torch's pool
+    competed with its spin-waiting workers (``bench_train.py``'s step at 2 threads: 0.976 ms a token
+    that way, 0.925 on one thread, 0.945 with the PyTorch ops)."""
+    import torch
+
+    return torch.get_num_threads() if openmp and n >= PARALLEL_MIN else 1
 
 
 def tensor_ptr(t) -> ctypes.c_void_p:

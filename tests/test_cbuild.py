@@ -80,3 +80,10 @@ def test_a_local_header_is_part_of_the_build_hash(tmp_path):
     (tmp_path / "shared.h").write_text("inline int g() { return 2; }\n")
     assert _cbuild._source_with_headers(str(tmp_path / "k.cpp")) != before
     assert _cbuild._source_with_headers(_cbuild.csrc_path("bpe.cpp")) == open(_cbuild.csrc_path("bpe.cpp"), "rb").read()
+
+
+def test_kernel_threads_uses_torchs_count_only_for_openmp_builds_and_large_calls(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 5)
+    assert _cbuild.kernel_threads(True, _cbuild.PARALLEL_MIN) == 5
+    assert _cbuild.kernel_threads(True, _cbuild.PARALLEL_MIN - 1) == 1  # a parallel region costs more
+    assert _cbuild.kernel_threads(False, 10 * _cbuild.PARALLEL_MIN) == 1  # own threads would compete

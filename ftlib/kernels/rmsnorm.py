@@ -22,14 +22,10 @@ import os
 
 import torch
 
-from ftlib._cbuild import load_library
+from ftlib._cbuild import kernel_threads, load_library
 from ftlib._cbuild import tensor_ptr as _ptr
 
 __all__ = ["rms_norm", "rms_norm_backend"]
-
-# Below this many elements a pass runs on one thread (a parallel region costs a few us).
-_PARALLEL_MIN = 1 << 16
-
 
 @functools.cache
 def _library():
@@ -45,9 +41,8 @@ def _library():
 
 
 def _threads(n: int) -> int:
-    """torch's intra-op thread count when the kernel shares torch's OpenMP runtime (``ftlib._cbuild``)
-    and n is large enough, else 1."""
-    return torch.get_num_threads() if n >= _PARALLEL_MIN and _library().ft_rmsnorm_openmp() else 1
+    """Threads for a call over n elements (``ftlib._cbuild.kernel_threads``)."""
+    return kernel_threads(bool(_library().ft_rmsnorm_openmp()), n)
 
 
 def rms_norm_backend(x: torch.Tensor, weight: torch.Tensor) -> str:

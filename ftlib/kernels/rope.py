@@ -24,14 +24,10 @@ import os
 
 import torch
 
-from ftlib._cbuild import load_library
+from ftlib._cbuild import kernel_threads, load_library
 from ftlib._cbuild import tensor_ptr as _ptr
 
 __all__ = ["rope", "rope_backend", "rotate_half"]
-
-# Below this many elements the kernel runs on one thread (a parallel region costs a few us).
-_PARALLEL_MIN = 1 << 16
-
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """cat(-x2, x1) where x = cat(x1, x2) along the last dim."""
@@ -52,9 +48,8 @@ def _library():
 
 
 def _threads(n: int) -> int:
-    """torch's intra-op thread count when the kernel shares torch's OpenMP runtime (``ftlib._cbuild``)
-    and n is large enough, else 1."""
-    return torch.get_num_threads() if n >= _PARALLEL_MIN and _library().ft_rope_openmp() else 1
+    """Threads for a call over n elements (``ftlib._cbuild.kernel_threads``)."""
+    return kernel_threads(bool(_library().ft_rope_openmp()), n)
 
 
 def rope_backend(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:

@@ -20,19 +20,14 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ftlib._cbuild import load_library
+from ftlib._cbuild import kernel_threads, load_library
 from ftlib._cbuild import tensor_ptr as _ptr
 
 __all__ = ["swiglu", "swiglu_backend"]
 
-# Below this many elements a pass runs on one thread (a parallel region costs a few us).
-_PARALLEL_MIN = 1 << 16
-
-
 def _threads(n: int) -> int:
-    """torch's intra-op thread count when the kernel shares torch's OpenMP runtime (``ftlib._cbuild``)
-    and n is large enough, else 1 (see ``ftlib.lora.dropout._threads``)."""
-    return torch.get_num_threads() if n >= _PARALLEL_MIN and _library().ft_swiglu_openmp() else 1
+    """Threads for a call over n elements (``ftlib._cbuild.kernel_threads``)."""
+    return kernel_threads(bool(_library().ft_swiglu_openmp()), n)
 
 
 @functools.cache

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from ftlib._cbuild import load_library
+from ftlib._cbuild import kernel_threads, load_library
 from ftlib._cbuild import tensor_ptr as _ptr
 
 __all__ = ["xent_block_", "xent_block_backend"]
@@ -41,9 +41,8 @@ def _library():
 
 
 def _threads(n: int) -> int:
-    """torch's intra-op thread count when the kernel shares torch's OpenMP runtime (``ftlib._cbuild``)
-    and the block is large enough (a parallel region costs a few us), else 1."""
-    return torch.get_num_threads() if n >= (1 << 16) and _library().ft_xent_openmp() else 1
+    """Threads for a call over n elements (``ftlib._cbuild.kernel_threads``)."""
+    return kernel_threads(bool(_library().ft_xent_openmp()), n)
 
 
 def xent_block_backend(z: torch.Tensor) -> str:

@@ -53,7 +53,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ftlib._cbuild import load_library
+from ftlib._cbuild import kernel_threads, load_library
 from ftlib._cbuild import tensor_ptr as _ptr
 from ftlib.kernels.lora_ref import rng_words, uniform16_ref
 
@@ -109,16 +109,9 @@ def apply_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x * mask.to(x.dtype)
 
 
-# Below this many elements of x a product runs on one thread (a parallel region costs a few us).
-_PARALLEL_MIN = 1 << 16
-
-
 def _threads(n: int) -> int:
-    """Threads for a product over n elements: torch's intra-op count when the library shares torch's
-    OpenMP runtime (``ftlib._cbuild``), else 1. Split over std::threads of their own beside torch's
-    pool, the kernels competed with its spin-waiting workers (bench_train.py's step at 2 threads:
-    0.976 ms a token that way, 0.925 on one thread, 0.945 with the PyTorch ops)."""
-    return torch.get_num_threads() if n >= _PARALLEL_MIN and _library().ft_lora_openmp() else 1
+    """Threads for a call over n elements (``ftlib._cbuild.kernel_threads``)."""
+    return kernel_threads(bool(_library().ft_lora_openmp()), n)
 
 
 @functools.cache
