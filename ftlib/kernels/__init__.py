@@ -12,7 +12,9 @@ one attention entry point the model calls; see ``attention.py`` for how a
 backend is chosen (``FTLIB_ATTN_BACKEND=auto|flash|triton|sdpa|torch``). The fused
 Triton kernel lives in ``ftlib.kernels.attention_triton`` (it imports Triton, so
 ``import ftlib`` does not); ``attention_sdpa`` (PyTorch's fused SDPA kernels, per
-document for packed batches) is the CPU path; ``attention_ref`` the float64 oracle.
+document for packed batches) is the CPU path, whose packed fp32 case runs ``attention_cpu``'s
+flash kernels (``csrc/flash_attn.cpp``, all documents in one call;
+``FTLIB_CPU_ATTN_BACKEND=auto|aten``); ``attention_ref`` the float64 oracle.
 
 ``lora_matmul(x, weight, lora_A, lora_B, scaling, ...)`` is a LoRA / DoRA linear layer (dense
 or NF4 base, dropout) in one op, ``lora_matmul_ref`` its reference; the backend follows
@@ -39,6 +41,7 @@ on CPU (``csrc/rope.cpp``; ``FTLIB_ROPE_BACKEND=auto|torch``).
 """
 
 from .attention import attention, attention_backend
+from .attention_cpu import attention_cpu_backend, flash_attn_cpu_backward, flash_attn_cpu_forward
 from .attention_ref import attention_ref
 from .attention_sdpa import attention_sdpa
 from .augment import augment_backend, augment_tokens
@@ -50,7 +53,8 @@ from .rope import rope, rope_backend, rotate_half
 from .swiglu import swiglu, swiglu_backend
 from .xent_block import xent_block_, xent_block_backend
 
-__all__ = ["attention", "attention_backend", "attention_ref", "attention_sdpa", "augment_backend", "augment_tokens",
-           "augment_tokens_ref", "lora_backend", "lora_matmul", "lora_matmul_ref", "rms_norm",
-           "rms_norm_backend", "rope", "rope_backend", "rotate_half",
-           "swiglu", "swiglu_backend", "xent_block_", "xent_block_backend"]
+__all__ = ["attention", "attention_backend", "attention_cpu_backend", "attention_ref", "attention_sdpa",
+           "augment_backend", "augment_tokens", "augment_tokens_ref", "flash_attn_cpu_backward",
+           "flash_attn_cpu_forward", "lora_backend", "lora_matmul", "lora_matmul_ref", "rms_norm",
+           "rms_norm_backend", "rope", "rope_backend", "rotate_half", "swiglu", "swiglu_backend", "xent_block_",
+           "xent_block_backend"]
