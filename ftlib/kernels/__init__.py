@@ -36,6 +36,10 @@ CPU (``csrc/rmsnorm.cpp``; ``FTLIB_RMSNORM_BACKEND=auto|torch``).
 ``rope(x, cos, sin)`` is RoPE's rotation of q or k as one autograd op, with a fused C++ kernel
 on CPU (``csrc/rope.cpp``; ``FTLIB_ROPE_BACKEND=auto|torch``).
 
+``linear_cpu`` / ``linear_cpu_input_grad`` / ``frozen_linear`` run fp32 products with a frozen
+weight on CPU through oneDNN (``FTLIB_CPU_LINEAR_BACKEND=auto|torch``): the LoRA base layers and
+the chunked loss's logits.
+
 ``swiglu(g, u)`` is the Llama MLP's ``silu(g) * u`` with a fused C++ kernel on CPU
 (``csrc/swiglu.cpp``; ``FTLIB_SWIGLU_BACKEND=auto|torch``), ``F.silu(g) * u`` elsewhere.
 """
@@ -46,6 +50,7 @@ from .attention_ref import attention_ref
 from .attention_sdpa import attention_sdpa
 from .augment import augment_backend, augment_tokens
 from .augment_ref import augment_tokens_ref
+from .linear_cpu import cpu_linear_backend, frozen_linear, linear_cpu, linear_cpu_input_grad
 from .lora import lora_backend, lora_matmul
 from .lora_ref import lora_matmul_ref
 from .rmsnorm import rms_norm, rms_norm_backend
@@ -54,7 +59,7 @@ from .swiglu import swiglu, swiglu_backend
 from .xent_block import xent_block_, xent_block_backend
 
 __all__ = ["attention", "attention_backend", "attention_cpu_backend", "attention_ref", "attention_sdpa",
-           "augment_backend", "augment_tokens", "augment_tokens_ref", "flash_attn_cpu_backward",
-           "flash_attn_cpu_forward", "lora_backend", "lora_matmul", "lora_matmul_ref", "rms_norm",
-           "rms_norm_backend", "rope", "rope_backend", "rotate_half", "swiglu", "swiglu_backend", "xent_block_",
-           "xent_block_backend"]
+           "augment_backend", "augment_tokens", "augment_tokens_ref", "cpu_linear_backend",
+           "flash_attn_cpu_backward", "flash_attn_cpu_forward", "frozen_linear", "linear_cpu",
+           "linear_cpu_input_grad", "lora_backend", "lora_matmul", "lora_matmul_ref", "rms_norm", "rms_norm_backend",
+           "rope", "rope_backend", "rotate_half", "swiglu", "swiglu_backend", "xent_block_", "xent_block_backend"]

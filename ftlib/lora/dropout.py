@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from ftlib._cbuild import kernel_threads, load_library
 from ftlib._cbuild import tensor_ptr as _ptr
+from ftlib.kernels.linear_cpu import linear_cpu, linear_cpu_input_grad
 from ftlib.kernels.lora_ref import rng_words, uniform16_ref
 
 __all__ = ["apply_mask", "dropout_mask", "kept_fraction", "masked_linear", "masked_lora_linear"]
@@ -261,7 +262,7 @@ class _MaskedLoRALinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, mask, weight, bias, lora_a, lora_b, scale):
-        y = F.linear(x, weight, bias)
+        y = linear_cpu(x, weight, bias)  # oneDNN's fp32 GEMM where torch has it (ftlib.kernels.linear_cpu)
         u = _cpu_xa(x, mask, lora_a, float(scale))  # (.., r), scale folded in
         y.view(-1, y.shape[-1]).addmm_(u.view(-1, u.shape[-1]), lora_b.t())
         ctx.save_for_backward(x, mask, weight, lora_a, lora_b, u)
@@ -280,7 +281,7 @@ class _MaskedLoRALinear(torch.autograd.Function):
             if ctx.needs_input_grad[4]:
                 da = _cpu_da(du, x, mask)
             if ctx.needs_input_grad[0]:
-                dx = dy2 @ weight  # (N, in), fresh and contiguous: the adapter's part is added in place
+                dx = linear_cpu_input_grad(dy2, weight)  # (N, in), fresh and contiguous: the adapter's part is added in place
                 _cpu_dx_add_(dx, du, lora_a, mask)
                 dx = dx.view(x.shape)
         return dx, None, None, None, da, db, None

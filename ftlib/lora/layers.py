@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ftlib.kernels.linear_cpu import frozen_linear
+
 from ._fused import fused_forward
 from .dora import dora_row_norm, row_sq_norm
 from .dropout import apply_mask, dropout_mask, masked_linear, masked_lora_linear
@@ -147,7 +149,11 @@ class LoRALinear(nn.Module):
             fused = self._masked_cpu_forward(x)  # the CPU kernels' one-node layer, else None
             if fused is not None:
                 return fused
-        result = self.base_layer(x)  # (..., out), includes the bias
+        base = self.base_layer
+        if type(base) is nn.Linear and not (base._forward_hooks or base._forward_pre_hooks):
+            result = frozen_linear(x, base.weight, base.bias)  # F.linear, or oneDNN's products for a frozen fp32 base
+        else:
+            result = base(x)  # (..., out), includes the bias
         if self.disabled or self.merged:
             return result
         return self.add_adapter(x, result)

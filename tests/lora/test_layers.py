@@ -212,12 +212,16 @@ def test_bad_arguments():
         LoRALinear(nn.Linear(4, 4), 2, 1, init="orthogonal")
 
 
-def test_dora_under_inference_mode():
+def test_dora_under_inference_mode(monkeypatch):
+    """A fresh DoRA layer (m = ||W||, B = 0) adds exactly nothing: bitwise equal to the base with the
+    same GEMM (torch's), and to fp32 rounding on the default CPU backend (oneDNN's GEMM)."""
     torch.manual_seed(0)
     x = torch.randn(3, 16)
     with torch.inference_mode():  # weights made here are inference tensors (no version counter)
         base = nn.Linear(16, 8)
         layer = LoRALinear(base, 2, 4, use_dora=True)
+        torch.testing.assert_close(layer(x), base(x), rtol=1e-6, atol=1e-6)
+        monkeypatch.setenv("FTLIB_CPU_LINEAR_BACKEND", "torch")
         assert torch.equal(layer(x), base(x))
 
 
