@@ -1,4 +1,4 @@
-// What the CPU compute kernels (lora_dropout, swiglu, rope, rmsnorm, xent_block) share: splitting
+// What the CPU compute kernels (lora_dropout, swiglu, rope, rmsnorm, xent_block, flash_attn) share: splitting
 // work over threads, and an AVX2 exp. Included by their .cpp files; ftlib/_cbuild.py hashes it
 // with each of them, so a change here rebuilds them all.
 #pragma once
