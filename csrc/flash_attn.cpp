@@ -263,10 +263,12 @@ struct BwdScratch {
         dv(BK * sh.D) {}
 };
 
-// One document's gradients for kv head h (and its G query heads).
+// One document's gradients for kv head h (and its G query heads) from key blocks [kb0, kb1): dK, dV
+// of those keys, and dQ of every query, written to dq (scaled) when part is null, else left
+// unscaled in part ([blocks][G * BQ][D], the block-major layout of the scratch) for a later sum.
 FT_AVX2 void bwd_task(const float* dout, const float* q, const float* k, const float* v, const float* out,
                       const float* lse, float* dq, float* dk, float* dv, const Shape& sh, int64_t s, int64_t L,
-                      int64_t h, BwdScratch& w) {
+                      int64_t h, int64_t kb0, int64_t kb1, float* part, BwdScratch& w) {
   const int64_t D = sh.D, R = sh.G * BQ, nb = (L + BQ - 1) / BQ;
   const int64_t tile = R * D;  // floats of one query block in q/dO/dq scratch
   for (int64_t b = 0; b < nb; ++b) {
@@ -295,7 +297,7 @@ FT_AVX2 void bwd_task(const float* dout, const float* q, const float* k, const f
   std::fill(w.dq.begin(), w.dq.begin() + nb * tile, 0.0f);
   float* P = w.p.data();
   float* dP = w.dp.data();
-  for (int64_t kb = 0; kb < nb; ++kb) {
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
     const int64_t j0 = kb * BK, nk = std::min(BK, L - j0), nkp = round8(nk);
     pack_keys_t(k, sh, s, h, j0, nk, nkp, w.kt.data());
     pack_keys_t(v, sh, s, h, j0, nk, nkp, w.vt.data());
@@ -336,6 +338,10 @@ FT_AVX2 void bwd_task(const float* dout, const float* q, const float* k, const f
       std::memcpy(dv + off, w.dv.data() + j * D, D * sizeof(float));
     }
   }
+  if (part != nullptr) {
+    std::memcpy(part, w.dq.data(), nb * tile * sizeof(float));
+    return;
+  }
   const __m256 sv = _mm256_set1_ps(sh.scale);
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t i0 = b * BQ, nq = std::min(BQ, L - i0);
@@ -361,6 +367,28 @@ void run_tasks(int64_t n, int threads, const std::function<int64_t(int64_t)>& co
     begin(wkr);
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) run(order[i], wkr);
   });
+}
+
+// dq rows of one split (document, kv head): scale * the sum of its parts' buffers, in part order.
+template <typename SplitT, typename TaskT>
+FT_AVX2 void sum_parts(const SplitT& sp, const std::vector<TaskT>& tasks, const float* parts, float* dq,
+                       const Shape& sh, int64_t tile) {
+  const int64_t s = sh.cu[sp.doc], L = sh.cu[sp.doc + 1] - s, nb = (L + BQ - 1) / BQ, D = sh.D;
+  const __m256 sv = _mm256_set1_ps(sh.scale);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * BQ, nq = std::min(BQ, L - i0);
+    for (int64_t g = 0; g < sh.G; ++g)
+      for (int64_t t = 0; t < nq; ++t) {
+        const int64_t off = b * tile + (g * BQ + t) * D;
+        float* dst = dq + (s + i0 + t) * sh.Hq * D + (sp.h * sh.G + g) * D;
+        for (int64_t d = 0; d < D; d += 8) {
+          __m256 acc = _mm256_loadu_ps(parts + tasks[sp.first].part + off + d);
+          for (int64_t p = 1; p < sp.count; ++p)
+            acc = _mm256_add_ps(acc, _mm256_loadu_ps(parts + tasks[sp.first + p].part + off + d));
+          _mm256_storeu_ps(dst + d, _mm256_mul_ps(acc, sv));
+        }
+      }
+  }
 }
 
 Shape make_shape(const int64_t* cu, int64_t docs, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int causal,
@@ -416,21 +444,61 @@ void ft_flash_attn_fwd(const float* q, const float* k, const float* v, float* ou
 }
 
 // dq [N, Hq, D], dk, dv [N, Hkv, D] from dout, q, out [N, Hq, D], k, v, and the forward's lse.
+// A (document, kv head) holding more than a thread's share of the tiles (one long document, fewer
+// kv heads than threads) is cut into ranges of key blocks with about a share's tiles each (at most
+// MAX_PARTS): each part owns dK, dV of its keys and sums dQ into its own buffer; the parts' dQ are
+// added in part order after all tasks. For given inputs and thread count the result is fixed.
 void ft_flash_attn_bwd(const float* dout, const float* q, const float* k, const float* v, const float* out,
                        const float* lse, float* dq, float* dk, float* dv, const int64_t* cu, int64_t docs, int64_t N,
                        int64_t Hq, int64_t Hkv, int64_t D, int causal, float scale, int threads) {
+  constexpr int64_t MAX_PARTS = 8;
   const Shape sh = make_shape(cu, docs, N, Hq, Hkv, D, causal, scale);
+  const int64_t tile = sh.G * BQ * D;
   int64_t lmax = 0;
   struct Task {
-    int64_t doc, h, cost;
+    int64_t doc, h, kb0, kb1, cost, part;  // part: index into parts, or -1 (dq written directly)
+  };
+  struct Split {
+    int64_t doc, h, first, count;  // tasks [first, first + count) are its parts, in order
   };
   std::vector<Task> tasks;
+  std::vector<Split> splits;
+  int64_t part_floats = 0, all_tiles = 0;
   for (int64_t d = 0; d < docs; ++d) {
-    const int64_t L = cu[d + 1] - cu[d];
-    lmax = std::max(lmax, L);
-    if (L > 0)
-      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({d, h, L * L});
+    const int64_t nb = (cu[d + 1] - cu[d] + BQ - 1) / BQ;
+    all_tiles += Hkv * (sh.causal ? nb * (nb + 1) / 2 : nb * nb);
   }
+  const int64_t share = std::max<int64_t>(1, all_tiles / std::max(1, threads));
+  for (int64_t d = 0; d < docs; ++d) {
+    const int64_t L = cu[d + 1] - cu[d], nb = (L + BQ - 1) / BQ;
+    lmax = std::max(lmax, L);
+    if (L == 0) continue;
+    auto tiles_of = [&](int64_t kb) { return sh.causal ? nb - kb : nb; };  // query tiles key block kb meets
+    const int64_t total = sh.causal ? nb * (nb + 1) / 2 : nb * nb;
+    const int64_t parts = total > share ? std::min({MAX_PARTS, nb, (total + share - 1) / share}) : 1;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      if (parts == 1) {
+        tasks.push_back({d, h, 0, nb, total, -1});
+        continue;
+      }
+      splits.push_back({d, h, static_cast<int64_t>(tasks.size()), 0});
+      int64_t kb = 0, acc = 0;
+      for (int64_t p = 0; p < parts && kb < nb; ++p) {
+        const int64_t target = total * (p + 1) / parts;
+        const int64_t start = kb;
+        int64_t cost = 0;
+        while (kb < nb && (acc + tiles_of(kb) <= target || kb == start || p == parts - 1)) {
+          acc += tiles_of(kb);
+          cost += tiles_of(kb);
+          ++kb;
+        }
+        tasks.push_back({d, h, start, kb, cost, part_floats});
+        part_floats += nb * tile;
+        ++splits.back().count;
+      }
+    }
+  }
+  std::vector<float> parts(static_cast<size_t>(part_floats));
   const int64_t lp = (lmax + BQ - 1) / BQ * BQ;
   std::vector<BwdScratch*> scratch(std::max(1, threads), nullptr);
   run_tasks(
@@ -438,10 +506,15 @@ void ft_flash_attn_bwd(const float* dout, const float* q, const float* k, const 
       [&](int64_t i, int64_t wkr) {
         const Task& tk = tasks[i];
         const int64_t s = cu[tk.doc];
-        bwd_task(dout, q, k, v, out, lse, dq, dk, dv, sh, s, cu[tk.doc + 1] - s, tk.h, *scratch[wkr]);
+        bwd_task(dout, q, k, v, out, lse, dq, dk, dv, sh, s, cu[tk.doc + 1] - s, tk.h, tk.kb0, tk.kb1,
+                 tk.part < 0 ? nullptr : parts.data() + tk.part, *scratch[wkr]);
       },
       [&](int64_t wkr) { scratch[wkr] = new BwdScratch(sh, lp); });
   for (auto* p : scratch) delete p;
+  // dq of the split (document, kv head) pairs: scale * (part 0 + part 1 + ...), rows in parallel
+  ftlib_cpu::parallel(static_cast<int64_t>(splits.size()), threads, 1, [&](int64_t a, int64_t e) {
+    for (int64_t i = a; i < e; ++i) sum_parts(splits[i], tasks, parts.data(), dq, sh, tile);
+  });
 }
 
 }  // extern "C"

@@ -106,18 +106,25 @@ def test_lse_matches_atens_and_the_backwards_are_interchangeable():
             torch.testing.assert_close(a[s:e], b[0].transpose(0, 1), rtol=1e-4, atol=1e-5)
 
 
-def test_results_do_not_depend_on_the_thread_count(monkeypatch):
-    """Each task (a tile forward, a document x kv head backward) is computed by one thread in a fixed
-    order: 1, 2 and 5 threads give bitwise equal outputs and gradients."""
-    q, k, v, g, cu = (t.float() if t.is_floating_point() else t for t in _pack([70, 5, 130, 33], 8, 4, 16, seed=2))
-    runs = []
-    for threads in (1, 2, 5):
+@pytest.mark.parametrize("lens,heads", [([70, 5, 130, 33], (8, 4)), ([150], (4, 1)), ([200, 9], (6, 2))])
+def test_fixed_for_a_thread_count_and_split_backward_exact(monkeypatch, lens, heads):
+    """For a given thread count the results are bitwise fixed (every task is computed by one thread
+    in a fixed order; a (document, kv head) the backward splits over key ranges sums its parts' dQ
+    in part order). One long document with fewer kv heads than threads is split: with 2, 3 and 5
+    threads the gradients still equal float64."""
+    q, k, v, g, cu = _pack(lens, *heads, 16, seed=2)
+    ref = _reference(q, k, v, g, cu, True, 0.25)
+    qf, kf, vf, gf = q.float(), k.float(), v.float(), g.float()
+    for threads in (1, 2, 3, 5):
         monkeypatch.setattr(_MOD, "_threads", lambda n, t=threads: t)
-        o, lse = flash_attn_cpu_forward(q, k, v, cu, True, 0.25)
-        runs.append((o, lse, *flash_attn_cpu_backward(g, q, k, v, o, lse, cu, True, 0.25)))
-    for other in runs[1:]:
-        for a, b in zip(runs[0], other):
+        runs = []
+        for _ in range(2):
+            o, lse = flash_attn_cpu_forward(qf, kf, vf, cu, True, 0.25)
+            runs.append((o, lse, *flash_attn_cpu_backward(gf, qf, kf, vf, o, lse, cu, True, 0.25)))
+        for a, b in zip(*runs):
             assert torch.equal(a, b)
+        for name, a, b in zip(("o", "dq", "dk", "dv"), (runs[0][0], *runs[0][2:]), ref):
+            _close(a, b, f"{name} ({threads} threads)")
 
 
 def test_masked_keys_contribute_exactly_nothing():
