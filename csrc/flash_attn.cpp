@@ -21,8 +21,10 @@
 // - causal tiles above the diagonal are skipped, the diagonal tile masked;
 // - one call covers every document: tasks (forward: document x kv head x query block;
 //   backward: document x kv head, which owns dK, dV of its head and dQ of its G query heads, so
-//   no two tasks write the same row) are taken largest first from a shared counter by `threads`
-//   threads of torch's OpenMP runtime when built with -fopenmp (ftlib/_cbuild.py).
+//   no two tasks write the same row; one holding more than a thread's share of the work is cut
+//   into key-block ranges whose dQ parts are summed in order afterwards) are taken largest first
+//   from a shared counter by `threads` threads of torch's OpenMP runtime when built with -fopenmp
+//   (ftlib/_cbuild.py). Results are fixed for given inputs and thread count.
 //
 // Masked entries of P are exactly zero; padded rows and keys of a partial block never reach the
 // outputs. NaN in the inputs propagates to the outputs.
