@@ -50,7 +50,7 @@ from .attention_ref import attention_ref
 from .attention_sdpa import attention_sdpa
 from .augment import augment_backend, augment_tokens
 from .augment_ref import augment_tokens_ref
-from .linear_cpu import cpu_linear_backend, frozen_linear, linear_cpu, linear_cpu_input_grad
+from .linear_cpu import cpu_linear_backend, frozen_linear, linear_cpu, linear_cpu_input_grad, linear_module
 from .lora import lora_backend, lora_matmul
 from .lora_ref import lora_matmul_ref
 from .rmsnorm import rms_norm, rms_norm_backend
@@ -61,5 +61,5 @@ from .xent_block import xent_block_, xent_block_backend
 __all__ = ["attention", "attention_backend", "attention_cpu_backend", "attention_ref", "attention_sdpa",
            "augment_backend", "augment_tokens", "augment_tokens_ref", "cpu_linear_backend",
            "flash_attn_cpu_backward", "flash_attn_cpu_forward", "frozen_linear", "linear_cpu",
-           "linear_cpu_input_grad", "lora_backend", "lora_matmul", "lora_matmul_ref", "rms_norm", "rms_norm_backend",
+           "linear_cpu_input_grad", "linear_module", "lora_backend", "lora_matmul", "lora_matmul_ref", "rms_norm", "rms_norm_backend",
            "rope", "rope_backend", "rotate_half", "swiglu", "swiglu_backend", "xent_block_", "xent_block_backend"]

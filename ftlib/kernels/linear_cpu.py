@@ -17,21 +17,23 @@ math mode stays the default, strict).
 ``cpu_linear_backend`` picks oneDNN for fp32 CPU tensors of 2 or more dims when torch has it; under
 ``torch.compile`` (inductor chooses its own GEMMs), ``FTLIB_CPU_LINEAR_BACKEND=torch`` or without
 oneDNN, the PyTorch ops run. ``frozen_linear`` is ``F.linear`` for a weight and bias without
-gradient, as one autograd node on those products; ``linear_cpu`` / ``linear_cpu_input_grad`` are
+gradient, as one autograd node on those products (``linear_module`` applies it to an ``nn.Linear``:
+the Llama projections and LoRA's base layers call it); ``linear_cpu`` / ``linear_cpu_input_grad`` are
 the plain products for autograd functions that own their backward (the LoRA layer's one-node path,
-the chunked loss's head).
+the chunked loss's head). torch's ``FlopCounterMode`` has no formula for oneDNN's op (registering
+one means importing ``torch.utils.flop_counter``, which pulls in Triton): count FLOPs with
+``ftlib.metrics.FlopsModel``, or under ``FTLIB_CPU_LINEAR_BACKEND=torch``.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["cpu_linear_backend", "frozen_linear", "linear_cpu", "linear_cpu_input_grad"]
+__all__ = ["cpu_linear_backend", "frozen_linear", "linear_cpu", "linear_cpu_input_grad", "linear_module"]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -49,23 +51,6 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     if x.dim() == 2:
         return y
     return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))  # as matmul does: no view to track
-
-
-def _register_flop_formula() -> None:
-    """Teach torch's ``FlopCounterMode`` the oneDNN product (2 M K N), so counting a model's FLOPs
-    sees the GEMMs that run here."""
-    from torch.utils.flop_counter import register_flop_formula
-
-    @register_flop_formula(torch.ops.mkldnn._linear_pointwise)
-    def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-        return 2 * math.prod(x_shape[:-1]) * x_shape[-1] * w_shape[0]
-
-
-if _onednn_available():
-    try:
-        _register_flop_formula()
-    except (ImportError, RuntimeError, ValueError):  # an older torch, or a formula already registered
-        pass
 
 
 def cpu_linear_backend(x: torch.Tensor, weight: torch.Tensor) -> str:
@@ -114,8 +99,18 @@ class _FrozenLinear(torch.autograd.Function):
 
 def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with both products on oneDNN where ``cpu_linear_backend`` says so
-    and neither weight nor bias requires grad; ``F.linear`` itself otherwise (same value and gradients)."""
-    if (weight.requires_grad or (bias is not None and (bias.requires_grad or bias.dtype != torch.float32))
-            or x.shape[-1] != weight.shape[-1] or cpu_linear_backend(x, weight) != "onednn"):
+    and neither weight nor bias takes a gradient (frozen, or grad mode off); ``F.linear`` itself
+    otherwise (same value and gradients)."""
+    trains = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
+    if (trains or (bias is not None and bias.dtype != torch.float32) or x.shape[-1] != weight.shape[-1]
+            or cpu_linear_backend(x, weight) != "onednn"):
         return F.linear(x, weight, bias)
     return _FrozenLinear.apply(x, weight, bias)
+
+
+def linear_module(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``; a plain ``nn.Linear`` without hooks runs :func:`frozen_linear` on its weight and
+    bias instead (its hooks, if any, are honoured by calling it)."""
+    if type(layer) is torch.nn.Linear and not (layer._forward_hooks or layer._forward_pre_hooks):
+        return frozen_linear(x, layer.weight, layer.bias)
+    return layer(x)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ftlib.kernels.linear_cpu import frozen_linear
+from ftlib.kernels.linear_cpu import linear_module
 
 from ._fused import fused_forward
 from .dora import dora_row_norm, row_sq_norm
@@ -149,11 +149,7 @@ class LoRALinear(nn.Module):
             fused = self._masked_cpu_forward(x)  # the CPU kernels' one-node layer, else None
             if fused is not None:
                 return fused
-        base = self.base_layer
-        if type(base) is nn.Linear and not (base._forward_hooks or base._forward_pre_hooks):
-            result = frozen_linear(x, base.weight, base.bias)  # F.linear, or oneDNN's products for a frozen fp32 base
-        else:
-            result = base(x)  # (..., out), includes the bias
+        result = linear_module(self.base_layer, x)  # (..., out), includes the bias; oneDNN for a frozen fp32 base
         if self.disabled or self.merged:
             return result
         return self.add_adapter(x, result)

@@ -30,6 +30,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ..kernels import linear_module
+
 __all__ = ["KVCache", "generate", "sample_next"]
 
 
@@ -171,7 +173,7 @@ def generate(
     n = 0
     for n in range(1, max_new_tokens + 1):
         hidden = model.model(step_ids, attention_mask=step_mask, kv_cache=kv_cache)  # (B, T_step, H)
-        logits = model.lm_head(hidden[:, -1])  # (B, V): only the last position is needed
+        logits = linear_module(model.lm_head, hidden[:, -1])  # (B, V): only the last position is needed
         nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         out[:, n - 1] = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
         done |= torch.isin(nxt, stops)

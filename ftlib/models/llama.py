@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels import attention, rms_norm, swiglu
+from ..kernels import attention, linear_module, rms_norm, swiglu
 from .config import LlamaConfig
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -183,12 +183,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # (B, T, Hq, D)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        # linear_module: a frozen fp32 projection on CPU runs oneDNN's GEMMs (ftlib.kernels.linear_cpu)
+        q = linear_module(self.q_proj, x).view(b, t, self.num_heads, self.head_dim)  # (B, T, Hq, D)
+        k = linear_module(self.k_proj, x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = linear_module(self.v_proj, x).view(b, t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, plan.cos, plan.sin), apply_rope(k, plan.cos, plan.sin)
         o = plan.attend(self.layer_idx, q, k, v, self.scale)
-        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+        return linear_module(self.o_proj, o.reshape(b, t, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -202,7 +203,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return linear_module(self.down_proj, swiglu(linear_module(self.gate_proj, x), linear_module(self.up_proj, x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -369,4 +370,4 @@ class LlamaForCausalLM(nn.Module):
             input_ids, attention_mask=attention_mask, position_ids=position_ids,
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, kv_cache=kv_cache,
         )
-        return self.lm_head(hidden)
+        return linear_module(self.lm_head, hidden)

@@ -137,3 +137,40 @@ def test_chunked_loss_logits_on_onednn_match_float64():
     (g64,) = torch.autograd.grad(ref, h64)
     torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(g.double(), g64, rtol=1e-5, atol=1e-6)
+
+
+@needs_onednn
+def test_llama_projections_frozen_or_without_grad_run_on_onednn(monkeypatch):
+    """ftlib's Llama runs its frozen projections on oneDNN: with LoRA on q/v only, the other five
+    projections' products and input gradients too; loss and adapter gradients equal torch's GEMMs'
+    to fp32 rounding. A model that trains every weight keeps F.linear, and under no_grad (evaluation)
+    its projections take oneDNN."""
+    from ftlib.lora import LoRAConfig, apply_lora
+    from ftlib.models import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with _Count() as c:
+        model(ids).sum().backward()
+    assert c.n == 0  # every weight trains: F.linear
+    with torch.no_grad(), _Count() as c:
+        model(ids)
+    assert c.n == 2 * 7 + 1  # 7 projections a layer, and the head
+    apply_lora(model, LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"], dropout=0.0), verbose=False)
+    for p in model.parameters():
+        p.grad = None
+    runs = {}
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv("FTLIB_CPU_LINEAR_BACKEND", backend)
+        with _Count() as c:
+            loss = model(ids).float().logsumexp(-1).mean()
+            loss.backward()
+        runs[backend] = (loss.detach(), *(p.grad.clone() for n, p in model.named_parameters() if "lora_" in n))
+        for p in model.parameters():
+            p.grad = None
+        assert (c.n > 0) == (backend == "auto")
+    for a, b in zip(runs["auto"], runs["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
