@@ -1,5 +1,5 @@
 // What the CPU compute kernels (lora_dropout, swiglu, rope, rmsnorm, xent_block, flash_attn) share: splitting
-// work over threads, and an AVX2 exp. Included by their .cpp files; ftlib/_cbuild.py hashes it
+// work over threads, an AVX2 lane sum and exp. Included by their .cpp files; ftlib/_cbuild.py hashes it
 // with each of them, so a change here rebuilds them all.
 #pragma once
 
@@ -52,6 +52,14 @@ inline void parallel(int64_t n, int threads, int64_t align, const std::function<
     return;
   }
   parallel_for(chunks, [&](int64_t c) { fn(c * per, std::min(n, (c + 1) * per)); });
+}
+
+// Sum of the 8 lanes.
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
 // exp of 8 floats: Cephes' single-precision expf (range reduction by ln 2, a degree-5 polynomial,

@@ -62,6 +62,8 @@ int ft_flash_attn_supported() {
 
 namespace {
 
+using ftlib_cpu::hsum;
+
 constexpr int64_t BQ = 32;  // query positions of a tile (times G heads = its rows)
 constexpr int64_t BK = 32;  // keys of a tile (BQ == BK: the diagonal tile of a query block is one key block)
 constexpr int MR = 6;       // micro-kernel rows
@@ -123,13 +125,6 @@ FT_AVX2 void gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t sam, 
   int64_t n = 0;
   for (; n + 16 <= N; n += 16) gemm_panel<2>(M, K, a, sam, sak, b + n, ldb, c + n, ldc, acc);
   if (n < N) gemm_panel<1>(M, K, a, sam, sak, b + n, ldb, c + n, ldc, acc);
-}
-
-FT_AVX2 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }

@@ -21,14 +21,8 @@
 
 namespace {
 
+using ftlib_cpu::hsum;
 using ftlib_cpu::parallel;
-
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 __attribute__((target("avx2,fma"))) void fwd_rows(const float* x, const float* w, float* y, float* r, int64_t i0,
                                                   int64_t i1, int64_t H, float eps) {
