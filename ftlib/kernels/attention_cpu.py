@@ -70,17 +70,36 @@ def attention_cpu_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     return "aten"
 
 
-def _cu(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    return cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+def _checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+             **same_as_q: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens as int64 after checking what the kernel reads blindly (shapes, dtype, document
+    bounds); a ValueError names the argument."""
+    if attention_cpu_backend(q, k, v) != "cpp":
+        raise ValueError("flash_attn_cpu: needs fp32 CPU q [N, Hq, D], k and v [N, Hkv, D] with D a multiple of 8 "
+                         f"and Hq a multiple of Hkv, and the built csrc/flash_attn.cpp; got q {tuple(q.shape)} "
+                         f"{q.dtype} {q.device}, k {tuple(k.shape)}, v {tuple(v.shape)} (see attention_cpu_backend)")
+    if not (k.shape == v.shape and k.shape[0] == q.shape[0]):
+        raise ValueError(f"flash_attn_cpu: k {tuple(k.shape)} and v {tuple(v.shape)} must be [N={q.shape[0]}, Hkv, D]")
+    for name, t in same_as_q.items():
+        if t.shape != q.shape or t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"flash_attn_cpu: {name} must be fp32 on CPU shaped like q {tuple(q.shape)}, "
+                             f"got {tuple(t.shape)} {t.dtype} {t.device}")
+    cu = cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+    bounds = cu.tolist() if cu.dim() == 1 else []
+    if not bounds or bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"flash_attn_cpu: cu_seqlens must be 1-D, rising from 0 to N={q.shape[0]}, "
+                         f"got {bounds[:8]}{'...' if len(bounds) > 8 else ''}")
+    return cu
 
 
 def flash_attn_cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [N, Hq, D], lse [Hq, N]) for fp32 q [N, Hq, D], k, v [N, Hkv, D] and documents ``cu_seqlens``
-    (rising from 0 to N, checked by the caller); requires ``attention_cpu_backend(q, k, v) == "cpp"``."""
+    (rising from 0 to N); requires ``attention_cpu_backend(q, k, v) == "cpp"`` (a ValueError otherwise)."""
+    cu = _checked(q, k, v, cu_seqlens)
     n, hq, d = q.shape
     hkv = k.shape[1]
-    q, k, v, cu = q.contiguous(), k.contiguous(), v.contiguous(), _cu(cu_seqlens)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
     lse = q.new_empty((hq, n))
     _library().ft_flash_attn_fwd(_ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(lse), _ptr(cu), cu.numel() - 1, n, hq,
@@ -92,10 +111,13 @@ def flash_attn_cpu_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                             lse: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) shaped like q, k, v from the output gradient ``do`` and the forward's o and lse."""
+    cu = _checked(q, k, v, cu_seqlens, do=do, o=o)
     n, hq, d = q.shape
     hkv = k.shape[1]
+    if lse.shape != (hq, n):
+        raise ValueError(f"flash_attn_cpu: lse must be [Hq, N]={(hq, n)} (the forward's), got {tuple(lse.shape)}")
     do, q, k, v, o = (t.contiguous() for t in (do, q, k, v, o))
-    lse, cu = lse.to(torch.float32).contiguous(), _cu(cu_seqlens)
+    lse = lse.to(device="cpu", dtype=torch.float32).contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _library().ft_flash_attn_bwd(_ptr(do), _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(lse), _ptr(dq), _ptr(dk),
                                  _ptr(dv), _ptr(cu), cu.numel() - 1, n, hq, hkv, d, int(causal), float(scale),

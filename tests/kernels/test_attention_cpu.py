@@ -184,3 +184,21 @@ def test_attention_entry_point_uses_it_and_the_env_switch(monkeypatch):
     monkeypatch.setenv("FTLIB_CPU_ATTN_BACKEND", "fast")
     with pytest.raises(ValueError, match="FTLIB_CPU_ATTN_BACKEND"):
         attention_cpu_backend(q.float(), k.float(), v.float())
+
+
+def test_bad_inputs_raise_naming_the_argument():
+    """What the C++ kernel would read out of bounds is refused first, naming the argument."""
+    q, k, v, g, cu = (t.float() if t.is_floating_point() else t for t in _pack([5, 7], 4, 2, 8, seed=1))
+    o, lse = flash_attn_cpu_forward(q, k, v, cu, True, 0.5)
+    cases = [
+        (lambda: flash_attn_cpu_forward(q, k, v, torch.tensor([0, 5, 11]), True, 0.5), "cu_seqlens"),
+        (lambda: flash_attn_cpu_forward(q, k, v, torch.tensor([0, 7, 5, 12]), True, 0.5), "cu_seqlens"),
+        (lambda: flash_attn_cpu_forward(q, k[:10], v[:10], cu, True, 0.5), "k .* and v"),
+        (lambda: flash_attn_cpu_forward(q[..., :4], k[..., :4], v[..., :4], cu, True, 0.5), "multiple of 8"),
+        (lambda: flash_attn_cpu_forward(q.double(), k.double(), v.double(), cu, True, 0.5), "fp32"),
+        (lambda: flash_attn_cpu_backward(g[:, :2], q, k, v, o, lse, cu, True, 0.5), "do must be"),
+        (lambda: flash_attn_cpu_backward(g, q, k, v, o, lse[:, :5], cu, True, 0.5), "lse must be"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
