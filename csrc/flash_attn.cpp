@@ -131,7 +131,7 @@ inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
 
 struct Shape {
   const int64_t* cu;
-  int64_t docs, N, Hq, Hkv, D, G;
+  int64_t N, Hq, Hkv, D, G;
   bool causal;
   float scale;
 };
@@ -388,9 +388,9 @@ FT_AVX2 void sum_parts(const SplitT& sp, const std::vector<TaskT>& tasks, const 
   }
 }
 
-Shape make_shape(const int64_t* cu, int64_t docs, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int causal,
+Shape make_shape(const int64_t* cu, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int causal,
                  float scale) {
-  return Shape{cu, docs, N, Hq, Hkv, D, Hq / Hkv, causal != 0, scale};
+  return Shape{cu, N, Hq, Hkv, D, Hq / Hkv, causal != 0, scale};
 }
 
 }  // namespace
@@ -402,7 +402,7 @@ extern "C" {
 void ft_flash_attn_fwd(const float* q, const float* k, const float* v, float* out, float* lse, const int64_t* cu,
                        int64_t docs, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int causal, float scale,
                        int threads) {
-  const Shape sh = make_shape(cu, docs, N, Hq, Hkv, D, causal, scale);
+  const Shape sh = make_shape(cu, N, Hq, Hkv, D, causal, scale);
   struct Task {
     int64_t doc, h, i0, cost;
   };
@@ -449,7 +449,7 @@ void ft_flash_attn_bwd(const float* dout, const float* q, const float* k, const 
                        const float* lse, float* dq, float* dk, float* dv, const int64_t* cu, int64_t docs, int64_t N,
                        int64_t Hq, int64_t Hkv, int64_t D, int causal, float scale, int threads) {
   constexpr int64_t MAX_PARTS = 8;
-  const Shape sh = make_shape(cu, docs, N, Hq, Hkv, D, causal, scale);
+  const Shape sh = make_shape(cu, N, Hq, Hkv, D, causal, scale);
   const int64_t tile = sh.G * BQ * D;
   int64_t lmax = 0;
   struct Task {

@@ -1,10 +1,10 @@
 """ftlib.metrics: the FLOPs formula against torch's FLOP counter, token statistics, the JSONL logger,
 resume truncation, the device peak table, plots and TensorBoard."""
 
-import contextlib
 import json
 import os
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -31,19 +31,6 @@ CFG = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidde
                   num_key_value_heads=2)
 
 
-@contextlib.contextmanager
-def _torch_gemms():
-    old = os.environ.get("FTLIB_CPU_LINEAR_BACKEND")
-    os.environ["FTLIB_CPU_LINEAR_BACKEND"] = "torch"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["FTLIB_CPU_LINEAR_BACKEND"]
-        else:
-            os.environ["FTLIB_CPU_LINEAR_BACKEND"] = old
-
-
 def _measured(model, ids, batched_linear=False):
     """(linear-layer FLOPs, attention FLOPs) torch counts for forward + backward over ids.
 
@@ -52,7 +39,7 @@ def _measured(model, ids, batched_linear=False):
     which torch counts under their own names, so no attention ``bmm`` is mixed in)."""
     fc = FlopCounterMode(display=False)
     # torch's counter has no formula for oneDNN's product (ftlib.kernels.linear_cpu, frozen fp32 on CPU)
-    with fc, _torch_gemms():
+    with fc, mock.patch.dict(os.environ, {"FTLIB_CPU_LINEAR_BACKEND": "torch"}):
         logits = model(ids)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
     counts = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}

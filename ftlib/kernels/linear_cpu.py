@@ -86,15 +86,17 @@ def linear_cpu_input_grad(dy: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 
 
 class _FrozenLinear(torch.autograd.Function):
+    """Both products on oneDNN: frozen_linear has checked the inputs and the backend once."""
+
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(weight)
-        return linear_cpu(x, weight, bias)
+        return _onednn(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         (weight,) = ctx.saved_tensors
-        return (linear_cpu_input_grad(dy, weight) if ctx.needs_input_grad[0] else None), None, None
+        return (_onednn(dy, weight.t(), None) if ctx.needs_input_grad[0] else None), None, None
 
 
 def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
