@@ -38,7 +38,14 @@ order rotating per round; medians are reported.
   of ``tokenizer.apply_chat_template(batch, tokenize=True, return_dict=True,
   return_assistant_tokens_mask=True)`` (a ``PreTrainedTokenizerFast`` on the same file), the
   strongest correct use of it: batched, one render per conversation, Arrow output on disk;
+* ``encode_batch``: the limit, the tokenizer's own throughput: the same conversations rendered as
+  ChatML text beforehand (not timed), then one ``Tokenizer.encode_batch(texts,
+  add_special_tokens=False)`` call on ``--num-proc`` threads of its own pool (``RAYON_NUM_THREADS``);
+  no masks, no cache written;
 * ``ftlib-before`` (with ``--before-src``): ``ftlib`` run on another checkout's code.
+
+Each variant's encoder is printed (``tokenizers``, or the C++ BPE a checkout before it was removed
+used by default).
 
 Timed: from the call to the finished cache / dataset (imports and the tokenizer load excluded).
 The last line compares every record's token ids and loss / assistant masks of the two variants.
@@ -222,18 +229,53 @@ def train_chat_tokenizer(paths: list[str], out: str, vocab_size: int = 32000) ->
     return path
 
 
-def _chat_variant(args) -> None:
-    """One timed build in this (fresh) process; prints a JSON line; dumps ids/masks for the equality check."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # num_proc processes on the cores, no thread pool on top
+def _encoder_name(tok) -> str:
+    """The encoder ``build_cache`` uses for ``tok`` in the ftlib on ``sys.path`` (this checkout or ``--before-src``)."""
+    import tokenizers
+
+    try:
+        from ftlib.data.fast_bpe import fast_bpe_for  # a checkout from before the C++ BPE was removed
+    except ImportError:
+        return f"tokenizers {tokenizers.__version__}"
+    return "C++ BPE (csrc/bpe.cpp)" if fast_bpe_for(tok) is not None else f"tokenizers {tokenizers.__version__}"
+
+
+def _encode_batch_variant(args, paths: list[str], tok_path: str) -> None:
+    """The tokenizer alone: pre-rendered ChatML texts through one ``encode_batch`` on num_proc threads."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    os.environ["RAYON_NUM_THREADS"] = str(args.num_proc)
     from tokenizers import Tokenizer
 
+    tok = Tokenizer.from_file(tok_path)
+    texts = []
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                texts.append("".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+                                     for m in json.loads(line)["messages"]))
+    encs, wall, cpu = cpu_timed(tok.encode_batch, texts, add_special_tokens=False)
+    n_tokens = sum(len(e.ids) for e in encs)
+    print("RESULT " + json.dumps({"variant": "encode_batch", "wall": wall, "cpu": cpu, "docs": len(texts),
+                                  "tokens": n_tokens, "loss_tokens": 0,
+                                  "encoder": f"tokenizers {__import__('tokenizers').__version__} "
+                                             "(encode_batch alone)"}), flush=True)
+
+
+def _chat_variant(args) -> None:
+    """One timed build in this (fresh) process; prints a JSON line; dumps ids/masks for the equality check."""
     paths = sorted(os.path.join(args.corpus, "jsonl", f) for f in os.listdir(os.path.join(args.corpus, "jsonl"))
                    if f.endswith(".jsonl"))
     tok_path = os.path.join(args.corpus, f"tokenizer-{args.vocab}.json")
+    if args.chat_variant == "encode_batch":
+        return _encode_batch_variant(args, paths, tok_path)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # num_proc processes on the cores, no thread pool on top
+    from tokenizers import Tokenizer
+
     work = os.path.join(args.corpus, f"out-{args.chat_variant}")
     shutil.rmtree(work, ignore_errors=True)
     if args.chat_variant == "ftlib":
         tok = Tokenizer.from_file(tok_path)
+        encoder = _encoder_name(tok)
         cfg = FormatConfig(kind="chat", chat_template=CHATML_GENERATION)  # the same template text
         cache, wall, cpu = cpu_timed(build_cache, paths, tok, cfg, work, num_proc=args.num_proc, progress=False)
         lens = cache.lengths
@@ -245,6 +287,7 @@ def _chat_variant(args) -> None:
 
         datasets.disable_progress_bars()
         hf_tok = PreTrainedTokenizerFast(tokenizer_file=tok_path, chat_template=CHATML_GENERATION)
+        encoder = f"tokenizers {__import__('tokenizers').__version__} (via transformers)"
 
         def fmt(batch):
             out = hf_tok.apply_chat_template(batch["messages"], tokenize=True, return_dict=True,
@@ -265,7 +308,8 @@ def _chat_variant(args) -> None:
     np.savez(os.path.join(args.corpus, f"dump-{args.label or args.chat_variant}.npz"), lens=lens, ids=ids, mask=mask)
     shutil.rmtree(work, ignore_errors=True)
     print("RESULT " + json.dumps({"variant": args.label or args.chat_variant, "wall": wall, "cpu": cpu, "docs": int(len(lens)),
-                                  "tokens": int(lens.sum()), "loss_tokens": int(mask.sum())}), flush=True)
+                                  "tokens": int(lens.sum()), "loss_tokens": int(mask.sum()),
+                                  "encoder": encoder}), flush=True)
 
 
 def chat_main(args) -> None:
@@ -279,7 +323,7 @@ def chat_main(args) -> None:
     mb = sum(os.path.getsize(p) for p in paths) / 2**20
     print(f"chat corpus: {args.records} records, {len(paths)} shards, {mb:.1f} MB, vocab {args.vocab} "
           f"(ready in {time.perf_counter() - t0:.1f}s); num_proc={args.num_proc}, {os.cpu_count()} CPUs")
-    variants = ["ftlib", "datasets"] + (["ftlib-before"] if args.before_src else [])
+    variants = ["ftlib", "datasets", "encode_batch"] + (["ftlib-before"] if args.before_src else [])
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.rounds):
         for v in variants[r % len(variants):] + variants[:r % len(variants)]:  # each variant leads a round in turn
@@ -302,16 +346,17 @@ def chat_main(args) -> None:
           f"lengths {'identical' if same['lens'] else 'DIFFER'}, ids {'identical' if same['ids'] else 'DIFFER'}, "
           f"masks {'identical' if same['mask'] else 'DIFFER'} on all {len(a['lens'])} records")
     rows = []
-    print(f"\n{'variant':<13} {'median s':>9} {'tok/s':>10} {'CPU s':>7} {'rounds (s)':<28}")
+    print(f"\n{'variant':<13} {'median s':>9} {'tok/s':>10} {'CPU s':>7} {'rounds (s)':<22} encoder")
     med = {v: statistics.median(x["wall"] for x in runs[v]) for v in variants}
     for v in variants:
         n = runs[v][0]["tokens"]
         cpu = statistics.median(x["cpu"] for x in runs[v])
         rounds = " ".join(f"{x['wall']:.1f}" for x in runs[v])
-        print(f"{v:<13} {med[v]:>9.1f} {n / med[v]:>10.0f} {cpu:>7.1f} {rounds:<28}")
-        rows.append((v, round(med[v], 2), round(n / med[v]), round(cpu, 1), rounds))
+        print(f"{v:<13} {med[v]:>9.1f} {n / med[v]:>10.0f} {cpu:>7.1f} {rounds:<22} {runs[v][0]['encoder']}")
+        rows.append((v, round(med[v], 2), round(n / med[v]), round(cpu, 1), rounds, runs[v][0]["encoder"]))
     ratio = med["datasets"] / med["ftlib"]
-    print(f"ftlib speedup vs datasets (median wall): {ratio:.2f}x")
+    print(f"ftlib speedup vs datasets (median wall): {ratio:.2f}x; ftlib at {med['encode_batch'] / med['ftlib']:.2f}x "
+          "of encode_batch alone (the tokenizer's own throughput)")
     if args.before_src:
         c = np.load(os.path.join(args.corpus, "dump-ftlib-before.npz"))
         same_c = all(np.array_equal(a[k], c[k]) for k in ("lens", "ids", "mask"))
@@ -332,7 +377,8 @@ def chat_main(args) -> None:
     with open(args.results, "a", newline="") as f:
         w = csv.writer(f)
         if new:
-            w.writerow(list(meta) + ["variant", "median_s", "tok_per_s", "cpu_s", "rounds_s", "speedup", "equality"])
+            w.writerow(list(meta) + ["variant", "median_s", "tok_per_s", "cpu_s", "rounds_s", "encoder", "speedup",
+                                     "equality"])
         for r in rows:
             w.writerow(list(meta.values()) + list(r) + [round(ratio, 3), eq])
     print(f"appended {len(rows)} rows to {args.results} (total {time.perf_counter() - t0:.0f}s)")
@@ -350,7 +396,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="--chat: alternating rounds (fresh process each)")
     ap.add_argument("--vocab", type=int, default=32000, help="--chat: BPE vocabulary size")
     ap.add_argument("--before-src", help="--chat: also time the ftlib of this checkout (e.g. before a change)")
-    ap.add_argument("--chat-variant", choices=["ftlib", "datasets"], help=argparse.SUPPRESS)
+    ap.add_argument("--chat-variant", choices=["ftlib", "datasets", "encode_batch"], help=argparse.SUPPRESS)
     ap.add_argument("--label", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.chat_variant:

@@ -1,6 +1,6 @@
 """Build a ``csrc/*.cpp`` file into a plain shared library on first use and load it with ctypes.
 
-Used by the data path (``ftlib.data``: packing, the byte-level BPE) and by the CPU compute kernels
+Used by the data path (``ftlib.data``: packing) and by the CPU compute kernels
 (LoRA's dropout products, ``ftlib.lora.dropout``; SwiGLU, ``ftlib.kernels.swiglu``).
 
 One library per source file and hash of the source and the local headers it includes, under

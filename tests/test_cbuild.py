@@ -79,7 +79,7 @@ def test_a_local_header_is_part_of_the_build_hash(tmp_path):
     assert b"return 1" in before
     (tmp_path / "shared.h").write_text("inline int g() { return 2; }\n")
     assert _cbuild._source_with_headers(str(tmp_path / "k.cpp")) != before
-    assert _cbuild._source_with_headers(_cbuild.csrc_path("bpe.cpp")) == open(_cbuild.csrc_path("bpe.cpp"), "rb").read()
+    assert _cbuild._source_with_headers(_cbuild.csrc_path("bfd_pack.cpp")) == open(_cbuild.csrc_path("bfd_pack.cpp"), "rb").read()
 
 
 def test_kernel_threads_uses_torchs_count_only_for_openmp_builds_and_large_calls(monkeypatch):

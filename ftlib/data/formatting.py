@@ -39,8 +39,8 @@ a conservative check of the parsed template: ``chatml`` and most ChatML-style te
 sentinels by construction, so it is rendered once, not twice. Each span is extended over the *turn end* that
 immediately follows it, so the model learns to stop. A token carries loss iff its character
 range (from the tokenizer's offsets) overlaps an assistant span. ``Formatter.format_batch``
-encodes many records in one call (``ftlib.data.fast_bpe``'s C++ BPE when it reproduces the
-tokenizer exactly, else ``Tokenizer.encode_batch``) and builds their masks in one vectorised pass (same documents, same reports, in strict mode the first problem in record order
+encodes many records in one call (``Tokenizer.encode_batch``: the tokenizer of record is the only
+encoder) and builds their masks in one vectorised pass (same documents, same reports, in strict mode the first problem in record order
 is raised); the token cache formats each chunk of records that way. ``loss_on="all"`` puts every
 token in the loss. A record with an empty assistant turn is reported as ``empty_response``:
 with loss on assistant turns only, that turn would teach the model to answer with nothing.
@@ -109,7 +109,6 @@ from .._jinja import (
     render_chat,
     template_text,
 )
-from .fast_bpe import fast_bpe_for
 from .pretruncate import encode_bounded
 from .report import SkipReport
 from .sharegpt import chat_turns
@@ -260,10 +259,6 @@ class Formatter:
         self.turn_end = self._resolve_turn_end() if config.kind != "text" else None
         self._passthrough = config.kind != "text" and content_passthrough(config.chat_template)
         self.stats = {"n_truncated": 0, "n_truncated_tokens": 0}
-        self._fast = None  # fast_bpe.FastBPE, False (not this tokenizer), or None (not tried yet)
-
-    def __getstate__(self):  # the C++ encoder stays in its process; a copy builds its own
-        return {**self.__dict__, "_fast": None}
 
     @property
     def n_truncated(self) -> int:
@@ -516,14 +511,7 @@ class Formatter:
 
     def _encode_batch(self, texts: list[str], offsets: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """``(tokens per text, ids int64 end to end, character offsets (T, 2) or None)`` of
-        ``encode_batch(texts, add_special_tokens=False)``: through ``fast_bpe`` (C++, the same ids and
-        offsets) when it reproduces this tokenizer exactly, else through ``tokenizers``."""
-        if self._fast is None:
-            self._fast = fast_bpe_for(self.tok) or False  # built once per process (workers build their own)
-        got = self._fast.encode_batch(texts) if self._fast else None
-        if got is not None:
-            ids, off, n = got
-            return n, ids.astype(np.int64), off
+        ``self.tok.encode_batch(texts, add_special_tokens=False)``."""
         encs = self.tok.encode_batch(texts, add_special_tokens=False)
         n = np.fromiter((len(e.ids) for e in encs), np.int64, count=len(encs))
         ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), np.int64, count=int(n.sum()))
