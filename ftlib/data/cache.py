@@ -48,6 +48,15 @@ shard it was for. The metadata records the file's size, its full SHA-256 and the
 :class:`CacheError` naming the file on any mismatch, and naming the file and field when a
 manifest or metadata file is cut short or lacks a field.
 
+One builder at a time. ``build_cache`` holds ``<cache_dir>/.lock`` (an exclusive ``flock``, with the
+holder's pid, host and start time written in it) from listing the sources to opening the finished
+cache: a second build of the same directory (another process, or the same command started twice)
+prints that it waits, naming the holder, and starts when the first is done, reusing what it wrote.
+Without the lock two builders both exited 0 and one's summary described a manifest the other had
+replaced. The kernel releases the lock when its holder exits, killed or not, so no stale lock is
+left behind. Readers take no lock: the manifest is replaced atomically and shard files are never
+removed.
+
 Tokenization runs in ``num_proc`` worker processes (``multiprocessing``; the tokenizer travels
 as its JSON string, ``Tokenizer.to_str`` / ``from_str``, and each worker sets
 ``TOKENIZERS_PARALLELISM=false`` so the Rust thread pool does not oversubscribe the cores). The
@@ -62,17 +71,25 @@ at int64 copies of it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
 import os
+import socket
 import sys
+import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds of one directory are not serialised there
+    fcntl = None
 
 from .._atomic import atomic_write
 from .formatting import FormatConfig
@@ -291,6 +308,49 @@ def _reusable(shards_dir: str, key: str) -> dict | None:
 
 
 # ---- build ------------------------------------------------------------------------------------
+LOCK = ".lock"
+
+
+def _holder(fd: int) -> str:
+    """The lock holder's record, as words."""
+    try:
+        d = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        d = {}
+    if not isinstance(d, dict) or "pid" not in d:
+        return "a build that has not written its name yet"
+    return f"pid {d.get('pid')} on host {d.get('host')!r}, since {d.get('started')}"
+
+
+@contextlib.contextmanager
+def _build_lock(cache_dir: str):
+    """Hold ``<cache_dir>/.lock`` (module doc): wait, saying for whom, while another build holds it."""
+    os.makedirs(cache_dir, exist_ok=True)
+    path = os.path.join(cache_dir, LOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # a read-only directory: the build's first write raises CacheError naming it
+        yield
+        return
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                t0 = time.monotonic()
+                print(f"{cache_dir}: another build holds this cache directory ({_holder(fd)}; lock file {path}); "
+                      "waiting for it to finish", file=sys.stderr, flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                print(f"{cache_dir}: the other build finished after {time.monotonic() - t0:.1f}s; building",
+                      file=sys.stderr, flush=True)
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num_proc: int = 1,
                 strict: bool = True, progress: bool = True, full_hash: bool = False,
                 mp_context: str | None = None, verify: str = "sample",
@@ -312,8 +372,21 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
 
     A build that gives no document at all raises :class:`~ftlib.data.report.DataError` naming the
     inputs (and what was skipped); no manifest is written then.
+
+    One build per ``cache_dir`` at a time: while another holds ``<cache_dir>/.lock`` this one says
+    so on stderr, naming the holder, and waits (module doc).
     """
     shards = list_shards(sources)
+    config.formatter(tokenizer)  # validate settings (special tokens etc.) and warn once, before any work
+    with _build_lock(cache_dir):
+        return _build(sources, shards, tokenizer, config, cache_dir, num_proc=num_proc, strict=strict,
+                      progress=progress, full_hash=full_hash, mp_context=mp_context, verify=verify, limits=limits)
+
+
+def _build(sources, shards: list[Shard], tokenizer, config: FormatConfig, cache_dir: str, *, num_proc: int,
+           strict: bool, progress: bool, full_hash: bool, mp_context: str | None, verify: str,
+           limits: ReadLimits | None) -> TokenCache:
+    """``build_cache`` once the sources are listed and the settings checked, holding the directory's lock."""
     tok_json = tokenizer.to_str()
     tok_hash = hashlib.sha256(tok_json.encode()).hexdigest()
     fmt_fp = config.fingerprint()
@@ -321,7 +394,6 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
     columns = tuple(getattr(config, "columns", ()))
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
-    config.formatter(tokenizer)  # validate settings (special tokens etc.) and warn once, before any work
     shards_dir = os.path.join(cache_dir, "shards")
     os.makedirs(shards_dir, exist_ok=True)
 
