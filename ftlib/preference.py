@@ -171,6 +171,8 @@ def sequence_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels
     if cu_seqlens is None:
         doc, n_docs = rows, b
     else:
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+            raise ValueError(f"cu_seqlens must be an integer tensor (document boundaries), got {cu_seqlens.dtype}")
         cu = cu_seqlens.to(device=keep.device, dtype=torch.int64)
         if cu.ndim != 1 or int(cu[0]) != 0 or int(cu[-1]) != b * t:
             raise ValueError(f"cu_seqlens must be 1-D from 0 to B*T={b * t}, got {cu.tolist()[:4]}...")

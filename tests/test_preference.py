@@ -124,6 +124,8 @@ def test_sequence_logprobs_rows_and_errors():
         sequence_logprobs(hidden, weight, labels.masked_fill(labels >= 0, 11))
     with pytest.raises(ValueError, match="cu_seqlens must be 1-D from 0 to B\\*T=21"):
         sequence_logprobs(hidden, weight, labels, cu_seqlens=torch.tensor([0, 7, 14], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must be an integer tensor.*float32"):  # was truncated
+        sequence_logprobs(hidden, weight, labels, cu_seqlens=torch.tensor([0, 7.5, 21]))
     with pytest.raises(ValueError, match="lm_head_weight must be"):
         sequence_logprobs(hidden, weight.t(), labels)
 

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from .attention_ref import attention_ref
+from .attention_ref import attention_ref, check_cu_seqlens_dtype
 from .attention_sdpa import attention_sdpa
 
 __all__ = ["attention", "attention_backend"]
@@ -112,6 +112,7 @@ def _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale):
         return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal)
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+    check_cu_seqlens_dtype(cu_seqlens)  # the values stay on the GPU: no sync, as in flash-attn
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0

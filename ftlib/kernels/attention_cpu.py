@@ -33,6 +33,8 @@ import torch
 from ftlib._cbuild import kernel_threads, load_library
 from ftlib._cbuild import tensor_ptr as _ptr
 
+from .attention_ref import check_cu_seqlens
+
 __all__ = ["attention_cpu_backend", "flash_attn_cpu_backward", "flash_attn_cpu_forward"]
 
 
@@ -84,12 +86,8 @@ def _checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torc
         if t.shape != q.shape or t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"flash_attn_cpu: {name} must be fp32 on CPU shaped like q {tuple(q.shape)}, "
                              f"got {tuple(t.shape)} {t.dtype} {t.device}")
-    cu = cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
-    bounds = cu.tolist() if cu.dim() == 1 else []
-    if not bounds or bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"flash_attn_cpu: cu_seqlens must be 1-D, rising from 0 to N={q.shape[0]}, "
-                         f"got {bounds[:8]}{'...' if len(bounds) > 8 else ''}")
-    return cu
+    check_cu_seqlens(cu_seqlens, q.shape[0], "flash_attn_cpu")
+    return cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
 
 
 def flash_attn_cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

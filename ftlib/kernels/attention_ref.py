@@ -30,7 +30,25 @@ import math
 
 import torch
 
-__all__ = ["attention_ref", "check_attention_inputs"]
+__all__ = ["attention_ref", "check_attention_inputs", "check_cu_seqlens", "check_cu_seqlens_dtype"]
+
+
+def check_cu_seqlens_dtype(cu_seqlens: torch.Tensor, who: str = "attention") -> None:
+    """A ValueError unless ``cu_seqlens`` has an integer dtype (reads no value: no device sync, traceable)."""
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"{who}: cu_seqlens must be an integer tensor (int32 [n_docs + 1], the cumulative "
+                         f"document lengths), got {cu_seqlens.dtype}")
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, n: int, who: str = "attention") -> list[int]:
+    """The document boundaries of ``cu_seqlens`` as ints, after checking that it is an integer tensor
+    (a float one, ``[0, 4.7, 10]``, was truncated to other boundaries) rising from 0 to n."""
+    check_cu_seqlens_dtype(cu_seqlens, who)
+    cu = [int(x) for x in cu_seqlens.tolist()] if cu_seqlens.dim() == 1 else []
+    if not cu or cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{who}: cu_seqlens must rise from 0 to N={n} (1-D), got "
+                         f"{cu_seqlens.flatten()[:8].tolist()}{'...' if cu_seqlens.numel() > 8 else ''}")
+    return cu
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> None:
@@ -112,9 +130,7 @@ def attention_ref(
     if cu_seqlens is None:
         cu = [0, n]
     else:
-        cu = [int(x) for x in cu_seqlens.tolist()]
-        if cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"attention: cu_seqlens must rise from 0 to N={n}, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+        cu = check_cu_seqlens(cu_seqlens, n)
     o = torch.empty_like(q)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = torch.full((q.shape[1], n), float("-inf"), dtype=cdt, device=q.device)

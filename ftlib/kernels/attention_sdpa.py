@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_cpu import attention_cpu_backend, flash_attn_cpu_backward, flash_attn_cpu_forward
-from .attention_ref import check_attention_inputs
+from .attention_ref import check_attention_inputs, check_cu_seqlens, check_cu_seqlens_dtype
 
 __all__ = ["attention_sdpa"]
 
@@ -61,9 +61,7 @@ def _sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
 
 
 def _segments(cu_seqlens: torch.Tensor, n: int) -> list[tuple[int, int]]:
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    if not cu or cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"attention: cu_seqlens must rise from 0 to N={n}, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+    cu = check_cu_seqlens(cu_seqlens, n)
     return [(s, e) for s, e in zip(cu, cu[1:]) if e > s]
 
 
@@ -207,4 +205,6 @@ def attention_sdpa(
         raise ValueError("attention: key_padding_mask applies to the dense layout only")
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    else:
+        check_cu_seqlens_dtype(cu_seqlens)  # the values are checked inside the op (no graph break here)
     return _varlen_fwd(q, k, v, cu_seqlens, bool(causal), scale)[0]

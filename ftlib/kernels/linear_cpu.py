@@ -44,9 +44,20 @@ def _onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _bias_ok(bias: torch.Tensor | None, n: int) -> bool:
+    """Whether oneDNN can take this bias for n outputs: none, or fp32 CPU [n] (F.linear broadcasts other
+    shapes, oneDNN does not)."""
+    return bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu" and bias.shape == (n,)
+                            and type(bias) in _PLAIN)
+
+
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [.., K] @ weight [N, K]^T (+ bias) on oneDNN; a fresh tensor, not a view (autograd functions
-    return it, and callers may update it in place)."""
+    return it, and callers may update it in place). oneDNN reads the bias as dense [N] whatever its
+    strides (a stride-2 view gave wrong sums, an expanded one read past its storage): it gets a
+    contiguous copy when it is not."""
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
     if x.dim() == 2:
         return y
@@ -69,10 +80,9 @@ def cpu_linear_backend(x: torch.Tensor, weight: torch.Tensor) -> str:
 
 
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` (x [.., in], W [out, in], any strides) as a plain product: call it where autograd
+    """``x W^T + b`` (x [.., in], W [out, in], b [out], any strides) as a plain product: call it where autograd
     does not record (an autograd function's forward, ``torch.no_grad``)."""
-    if x.shape[-1] == weight.shape[1] and cpu_linear_backend(x, weight) == "onednn" and (
-            bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu")):
+    if x.shape[-1] == weight.shape[1] and cpu_linear_backend(x, weight) == "onednn" and _bias_ok(bias, weight.shape[0]):
         return _onednn(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -104,7 +114,7 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     and neither weight nor bias takes a gradient (frozen, or grad mode off); ``F.linear`` itself
     otherwise (same value and gradients)."""
     trains = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
-    if (trains or (bias is not None and bias.dtype != torch.float32) or x.shape[-1] != weight.shape[-1]
+    if (trains or not _bias_ok(bias, weight.shape[0]) or x.shape[-1] != weight.shape[-1]
             or cpu_linear_backend(x, weight) != "onednn"):
         return F.linear(x, weight, bias)
     return _FrozenLinear.apply(x, weight, bias)

@@ -73,6 +73,8 @@ def xent_block_(z: torch.Tensor, y: torch.Tensor, grad: bool) -> torch.Tensor:
     onehot(y) along dim 0 in place. y (C,) int64 rows in [0, V) (checked)."""
     if y.shape != (z.shape[1],):
         raise ValueError(f"xent_block_: y must be [C={z.shape[1]}], got {tuple(y.shape)}")
+    if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
+        raise ValueError(f"xent_block_: labels y must be an integer tensor (row indices), got {y.dtype}")
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= z.shape[0]):
         raise ValueError(f"xent_block_: labels must be in [0, {z.shape[0]}), got [{int(y.min())}, {int(y.max())}]")
     if xent_block_backend(z) != "cpp" or z.shape[1] == 0:

@@ -146,3 +146,28 @@ def test_gpu_every_backend_agrees(monkeypatch, backend):
     out = attention(qd, kd, vd, causal=True)
     want = attention_ref(qd.double(), kd.double(), vd.double(), causal=True)
     assert (out.double() - want).abs().max() / want.abs().max() < 1.6e-2
+
+
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+@pytest.mark.parametrize("cu", [[0, 4.7, 10], [0.0, 4.0, 10.0], [False, True]])
+def test_non_integer_cu_seqlens_are_refused_naming_the_dtype(monkeypatch, backend, cu):
+    """cu_seqlens are document boundaries: a float tensor ([0, 4.7, 10] was truncated to [0, 4, 10] and
+    ran) or a bool one is refused with a ValueError naming the dtype, on every CPU backend and in the C++
+    kernel's own entry."""
+    from ftlib.kernels.attention_cpu import attention_cpu_backend, flash_attn_cpu_forward
+
+    monkeypatch.setenv("FTLIB_ATTN_BACKEND", backend)
+    q = torch.randn(10, 2, 8)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be an integer tensor.*torch\.(float32|bool)"):
+        attention(q, q, q, cu_seqlens=torch.tensor(cu))
+    if attention_cpu_backend(q, q, q) == "cpp":
+        with pytest.raises(ValueError, match="cu_seqlens must be an integer tensor"):
+            flash_attn_cpu_forward(q, q, q, torch.tensor(cu), True, 0.35)
+
+
+def test_integer_cu_seqlens_of_any_width_are_accepted(monkeypatch):
+    monkeypatch.setenv("FTLIB_ATTN_BACKEND", "sdpa")
+    q = torch.randn(10, 2, 8)
+    ref = attention(q, q, q, cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32))
+    for dt in (torch.int64, torch.int16, torch.uint8):
+        assert torch.equal(attention(q, q, q, cu_seqlens=torch.tensor([0, 4, 10], dtype=dt)), ref)

@@ -174,3 +174,29 @@ def test_llama_projections_frozen_or_without_grad_run_on_onednn(monkeypatch):
         assert (c.n > 0) == (backend == "auto")
     for a, b in zip(runs["auto"], runs["torch"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["stride 2", "stride 0 (expanded)"])
+def test_strided_or_expanded_bias_gives_f_linears_values(layout):
+    """A bias that is a strided view or an expanded scalar (stride 0) is read by its strides: linear_cpu,
+    frozen_linear and linear_module equal F.linear (the GEMM read it as contiguous: error 4.5 with stride
+    2, 4.9e30 with stride 0, an out-of-bounds read)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 3, 16, generator=gen), torch.randn(6, 16, generator=gen)
+    b = torch.randn(12, generator=gen)[::2] if layout == "stride 2" else torch.randn(1, generator=gen).expand(6)
+    ref = F.linear(x.double(), w.double(), b.double())
+    _close(linear_cpu(x, w, b), ref)
+    _close(frozen_linear(x, w, b), ref)
+    layer = torch.nn.Linear(16, 6).requires_grad_(False)
+    layer.weight.data, layer.bias.data = w, b
+    assert layer.bias.stride() == b.stride()
+    _close(_MOD.linear_module(layer, x), ref)
+
+
+def test_a_broadcast_bias_of_another_shape_runs_as_f_linear():
+    """A bias F.linear broadcasts ([1, out]) is not what oneDNN reads: the PyTorch product runs."""
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(4, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(1, 6, generator=gen)
+    ref = F.linear(x.double(), w.double(), b.double())
+    _close(linear_cpu(x, w, b), ref)
+    _close(frozen_linear(x, w, b), ref)

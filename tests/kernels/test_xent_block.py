@@ -103,3 +103,11 @@ def test_chunked_loss_through_the_kernel_matches_float64(monkeypatch, vocab, chu
         torch.testing.assert_close(got.double(), exp, rtol=2e-5, atol=2e-5 * float(exp.detach().abs().max()))
     for a, b in zip(out["auto"], out["torch"]):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * float(b.detach().abs().max()))
+
+
+def test_float_labels_are_refused():
+    """Labels index the block's rows: float labels (truncated before) are refused naming the dtype."""
+    from ftlib.kernels.xent_block import xent_block_
+
+    with pytest.raises(ValueError, match="integer.*float32"):
+        xent_block_(torch.randn(5, 3), torch.tensor([1.5, 2.2, 0.0]), False)
