@@ -5,11 +5,18 @@ Used by the data path (``ftlib.data``: packing) and by the CPU compute kernels
 
 One library per source file and hash of the source and the local headers it includes, under
 ``$FTLIB_CACHE_DIR/csrc/<hash>/``
-(default ``~/.cache/ftlib``), compiled with the system C++ compiler (``$CXX``, else ``c++``,
-``g++`` or ``clang++``) as ``-O3 -std=c++17 -shared -fPIC``. A source checkout reads
-``<repo>/csrc``; an installed wheel carries the same files as ``ftlib/_csrc``. The library is
-written under a temporary name and renamed, so processes building at the same time never load a
-half-written file. No compiler, or a failed build, gives ``None``: each caller has a Python path.
+(default ``~/.cache/ftlib``), compiled with the system C++ compiler (``$CXX``, split as a shell
+would, so ``CXX="ccache g++"`` works; else ``c++``, ``g++`` or ``clang++``) as
+``-O3 -std=c++17 -shared -fPIC``. A source checkout reads ``<repo>/csrc``; an installed wheel
+carries the same files as ``ftlib/_csrc``. The library is written under a temporary name and
+renamed, so processes building at the same time never load a half-written file, and its SHA-256 is
+written beside it (``<lib>.so.sha256``) before the rename: a library that does not match it (cut
+short, zero bytes, another kernel's library copied there) is rebuilt, never loaded.
+
+Every caller has a Python path, taken when ``load_library`` gives None. No compiler at all gives
+None quietly; any other build problem (``$CXX`` names no executable, the cache directory cannot be
+written, the compiler fails) gives one ``CppBuildWarning`` per process naming the compiler, the
+cache path and what to change, then None.
 
 ``load_library(name, openmp=True)`` (the CPU compute kernels) compiles with ``-fopenmp`` and links
 the OpenMP runtime this process already runs, the one torch's CPU ops use (found in
@@ -26,13 +33,42 @@ import ctypes
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import warnings
 
-__all__ = ["PARALLEL_MIN", "cache_root", "csrc_path", "kernel_threads", "load_library", "loaded_openmp_runtime", "tensor_ptr"]
+__all__ = ["PARALLEL_MIN", "CppBuildWarning", "cache_root", "csrc_path", "kernel_threads", "load_library",
+           "loaded_openmp_runtime", "tensor_ptr"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LOADED: dict[tuple[str, bool], ctypes.CDLL | None] = {}
+_WARNED: set[str] = set()
+
+
+class CppBuildWarning(UserWarning):
+    """A C++ library could not be built or loaded; the PyTorch (or NumPy) path runs instead."""
+
+
+def _warn_once(msg: str) -> None:
+    """One warning per process for all C++ libraries (they share the compiler and the cache)."""
+    if not _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg + " The PyTorch path runs instead (same results, slower on CPU); further C++ build "
+                      "problems in this process are not reported.", CppBuildWarning, stacklevel=3)
+
+
+def _compiler() -> tuple[list[str] | None, str]:
+    """(argv, as given) of the C++ compiler: ``$CXX`` split as a shell would (a launcher such as ccache
+    first), else the first of c++ / g++ / clang++ on PATH; argv None when there is none at all."""
+    env = os.environ.get("CXX", "").strip()
+    if env:
+        try:
+            return shlex.split(env), env
+        except ValueError:
+            return [], env
+    found = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    return ([found] if found else None), found or ""
 
 
 def cache_root() -> str:
@@ -63,33 +99,76 @@ def loaded_openmp_runtime() -> str | None:
     return paths.pop() if len(paths) == 1 else None
 
 
-def _build(cxx: str, src_path: str, out: str, openmp_runtime: str | None) -> bool:
-    """Compile ``src_path`` into the shared library ``out``; with ``openmp_runtime``, against that runtime."""
-    base = [cxx, "-O3", "-std=c++17", "-fPIC"]
+def _run(argv: list[str]) -> str | None:
+    """None when the command succeeds, else the end of what it said (or why it could not start)."""
+    try:
+        r = subprocess.run(argv, capture_output=True)
+    except OSError as e:
+        return str(e)
+    return None if r.returncode == 0 else (r.stderr or r.stdout).decode(errors="replace").strip()[-600:]
+
+
+def _build(cxx: list[str], src_path: str, out: str, openmp_runtime: str | None) -> str | None:
+    """Compile ``src_path`` into the shared library ``out``; with ``openmp_runtime``, against that runtime.
+    None on success, else the compiler's complaint."""
+    base = [*cxx, "-O3", "-std=c++17", "-fPIC"]
     if openmp_runtime is None:
-        return subprocess.run([*base, "-shared", src_path, "-o", out], capture_output=True).returncode == 0
+        return _run([*base, "-shared", src_path, "-o", out])
     # compile with -fopenmp, link the given runtime by path (not the compiler's default -lgomp, which
     # could be a second copy with its own threads)
     obj = f"{out}.o"
     try:
-        ok = subprocess.run([*base, "-fopenmp", "-c", src_path, "-o", obj], capture_output=True).returncode == 0
-        return ok and subprocess.run([cxx, "-shared", obj, openmp_runtime,
-                                      f"-Wl,-rpath,{os.path.dirname(openmp_runtime)}", "-o", out],
-                                     capture_output=True).returncode == 0
+        return _run([*base, "-fopenmp", "-c", src_path, "-o", obj]) or _run(
+            [*cxx, "-shared", obj, openmp_runtime, f"-Wl,-rpath,{os.path.dirname(openmp_runtime)}", "-o", out])
     finally:
         if os.path.exists(obj):
             os.remove(obj)
 
 
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _intact(so: str) -> bool:
+    """Whether ``so`` is the library its build wrote (its SHA-256 file matches)."""
+    try:
+        with open(f"{so}.sha256") as f:
+            return f.read().strip() == _sha256(so)
+    except OSError:
+        return False
+
+
+def _build_into(cxx: list[str], src_path: str, so: str, runtime: str | None) -> str | None:
+    """Build ``so`` (temporary name, checksum file, rename); None on success, else why not."""
+    tmp = f"{so}.tmp-{os.getpid()}"
+    try:
+        why = _build(cxx, src_path, tmp, runtime)
+        if why is None:
+            with open(f"{so}.sha256.tmp-{os.getpid()}", "w") as f:
+                f.write(_sha256(tmp) + "\n")
+            os.replace(f"{so}.sha256.tmp-{os.getpid()}", f"{so}.sha256")
+            os.replace(tmp, so)
+        return why
+    except OSError as e:
+        return str(e)
+    finally:
+        for leftover in (tmp, f"{so}.sha256.tmp-{os.getpid()}"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+
+
 def _source_with_headers(src_path: str) -> bytes:
     """The source's bytes followed by those of each header it includes from its own folder
     (``#include "x.h"``): what the build's hash covers, so a changed header rebuilds its users."""
-    src = open(src_path, "rb").read()
+    with open(src_path, "rb") as f:
+        src = f.read()
     out = [src]
     for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', src, flags=re.M):
         header = os.path.join(os.path.dirname(src_path), name.decode())
         if os.path.isfile(header):
-            out.append(b"\0" + name + b"\0" + open(header, "rb").read())
+            with open(header, "rb") as f:
+                out.append(b"\0" + name + b"\0" + f.read())
     return b"".join(out)
 
 
@@ -99,30 +178,46 @@ def load_library(name: str, openmp: bool = False) -> ctypes.CDLL | None:
     ``openmp``: build against the OpenMP runtime already loaded (see the module docstring); falls
     back to a build without OpenMP when there is none or that build fails.
     """
-    if (name, openmp) in _LOADED:
-        return _LOADED[(name, openmp)]
-    lib = None
+    if (name, openmp) not in _LOADED:
+        _LOADED[(name, openmp)] = _load(name, openmp)
+    return _LOADED[(name, openmp)]
+
+
+def _load(name: str, openmp: bool) -> ctypes.CDLL | None:
     src_path = csrc_path(name)
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx and os.path.exists(src_path):
-        src = _source_with_headers(src_path)
-        runtime = loaded_openmp_runtime() if openmp else None
-        for rt in ([runtime, None] if runtime else [None]):
-            key = hashlib.sha256(src + (b"\0openmp:" + rt.encode() if rt else b"")).hexdigest()[:16]
-            out_dir = os.path.join(cache_root(), "csrc", key)
-            so = os.path.join(out_dir, f"libftlib_{os.path.splitext(name)[0]}.so")
-            if not os.path.exists(so):
-                os.makedirs(out_dir, exist_ok=True)
-                tmp = f"{so}.tmp-{os.getpid()}"
-                if _build(cxx, src_path, tmp, rt):
-                    os.replace(tmp, so)
-                elif os.path.exists(tmp):
-                    os.remove(tmp)
-            if os.path.exists(so):
-                lib = ctypes.CDLL(so)
-                break
-    _LOADED[(name, openmp)] = lib
-    return lib
+    cxx, shown = _compiler()
+    if cxx is None or not os.path.exists(src_path):
+        return None  # no compiler at all (documented: the Python path), or a build without the sources
+    if not cxx or shutil.which(cxx[0]) is None:
+        _warn_once(f"ftlib: CXX={shown!r} names no executable C++ compiler, so csrc/{name} and the other C++ "
+                   f"CPU kernels are not built (cache: {os.path.join(cache_root(), 'csrc')}). Set CXX to an "
+                   "installed compiler (CXX=g++, CXX='ccache g++'), or unset it to use c++ / g++ / clang++ "
+                   "from PATH.")
+        return None
+    src = _source_with_headers(src_path)
+    runtime = loaded_openmp_runtime() if openmp else None
+    why = ""
+    for rt in ([runtime, None] if runtime else [None]):
+        key = hashlib.sha256(src + (b"\0openmp:" + rt.encode() if rt else b"")).hexdigest()[:16]
+        out_dir = os.path.join(cache_root(), "csrc", key)
+        so = os.path.join(out_dir, f"libftlib_{os.path.splitext(name)[0]}.so")
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:
+            _warn_once(f"ftlib: cannot write the C++ kernel cache {out_dir} ({e.strerror or e}), so csrc/{name} "
+                       f"is not built (compiler {shown}). Set FTLIB_CACHE_DIR to a writable directory.")
+            return None
+        if not _intact(so):  # missing, cut short, or not the library this build wrote: (re)build it
+            why = _build_into(cxx, src_path, so, rt)
+            if why is not None:
+                continue  # the OpenMP build failing falls back to the plain one
+        try:
+            return ctypes.CDLL(so)
+        except OSError as e:
+            why = str(e)
+    _warn_once(f"ftlib: the C++ compiler {shown} could not build csrc/{name} into {os.path.join(cache_root(), 'csrc')}"
+               f": {why}. Install a working C++17 compiler or set CXX to one.")
+    return None
 
 
 # Below this many elements a kernel runs on one thread (a parallel region costs a few us).
