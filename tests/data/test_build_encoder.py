@@ -100,6 +100,6 @@ def test_build_of_one_megabyte_word_finishes_with_tokenizers_ids(tmp_path, token
     ids. The timeout is a guard against a hang, not a timing assertion."""
     rng = np.random.default_rng(0)
     parts = ["hello", "world", "the", "quick", "brown", "fox", "cat", "hat", "it"]  # merged tokens, no spaces
-    word = "".join(rng.choice(parts, 1 << 18).tolist())[: 1 << 20]
+    word = "".join(rng.choice(parts, 1 << 19).tolist())[: 1 << 20]
     cache = _build(tmp_path, tokenizer, [word, "a short one"], tmp_path / "ftlib-cache", timeout=120)
     _assert_tokenizers_ids(cache, tokenizer, [word, "a short one"])
