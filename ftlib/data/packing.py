@@ -85,6 +85,9 @@ def _assign_numpy(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
 
 def bfd_assign(lengths: np.ndarray, capacity: int, backend: str | None = None) -> tuple[np.ndarray, int]:
     """Row id per item for items already in placement order; returns (rows (n,) int64, n_rows)."""
+    lengths = np.asarray(lengths)
+    if lengths.size and lengths.dtype.kind not in "iu":  # a float length was truncated to another one
+        raise ValueError(f"lengths must be integers (tokens per item), got dtype {lengths.dtype}")
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     if len(lengths) and (lengths.min() < 1 or lengths.max() > capacity):
         bad = int(np.flatnonzero((lengths < 1) | (lengths > capacity))[0])

@@ -99,3 +99,10 @@ def test_loss_mask_becomes_labels():
     b = collate_packed(pack([4], 6), [0], docs.__getitem__, pad_id=0)
     assert b["labels"].tolist() == [[-100, -100, 7, 8, -100, -100]]
     assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1]] and b["cu_seqlens"].tolist() == [0, 4, 6]
+
+
+def test_float_lengths_are_refused_not_truncated():
+    """bfd_assign's C++ and NumPy paths read int64 lengths: float lengths (2.7 tokens) were truncated."""
+    with pytest.raises(ValueError, match="lengths must be integers.*float64"):
+        bfd_assign(np.array([1.5, 2.7, 3.9]), 4)
+    assert bfd_assign(np.array([], dtype=np.float64), 4)[1] == 0 and bfd_assign([1, 3], 4)[1] == 1
