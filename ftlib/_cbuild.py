@@ -105,7 +105,9 @@ def _run(argv: list[str]) -> str | None:
         r = subprocess.run(argv, capture_output=True)
     except OSError as e:
         return str(e)
-    return None if r.returncode == 0 else (r.stderr or r.stdout).decode(errors="replace").strip()[-600:]
+    if r.returncode == 0:
+        return None
+    return (r.stderr or r.stdout).decode(errors="replace").strip()[-600:] or f"exit status {r.returncode}"
 
 
 def _build(cxx: list[str], src_path: str, out: str, openmp_runtime: str | None) -> str | None:
@@ -201,13 +203,16 @@ def _load(name: str, openmp: bool) -> ctypes.CDLL | None:
         key = hashlib.sha256(src + (b"\0openmp:" + rt.encode() if rt else b"")).hexdigest()[:16]
         out_dir = os.path.join(cache_root(), "csrc", key)
         so = os.path.join(out_dir, f"libftlib_{os.path.splitext(name)[0]}.so")
+        intact = _intact(so)
         try:
             os.makedirs(out_dir, exist_ok=True)
+            if not (intact or os.access(out_dir, os.W_OK)):
+                raise PermissionError(13, "not writable")
         except OSError as e:
             _warn_once(f"ftlib: cannot write the C++ kernel cache {out_dir} ({e.strerror or e}), so csrc/{name} "
                        f"is not built (compiler {shown}). Set FTLIB_CACHE_DIR to a writable directory.")
             return None
-        if not _intact(so):  # missing, cut short, or not the library this build wrote: (re)build it
+        if not intact:  # missing, cut short, or not the library this build wrote: (re)build it
             why = _build_into(cxx, src_path, so, rt)
             if why is not None:
                 continue  # the OpenMP build failing falls back to the plain one
