@@ -322,6 +322,14 @@ def _holder(fd: int) -> str:
     return f"pid {d.get('pid')} on host {d.get('host')!r}, since {d.get('started')}"
 
 
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def _build_lock(cache_dir: str):
     """Hold ``<cache_dir>/.lock`` (module doc): wait, saying for whom, while another build holds it."""
@@ -334,10 +342,11 @@ def _build_lock(cache_dir: str):
         return
     try:
         if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                t0 = time.monotonic()
+            t0, got = time.monotonic(), _try_flock(fd)
+            while not got and time.monotonic() - t0 < 2.0:  # the ranks of one run reopening a finished
+                time.sleep(0.05)  # cache hold it for a moment each: no message for that
+                got = _try_flock(fd)
+            if not got:
                 print(f"{cache_dir}: another build holds this cache directory ({_holder(fd)}; lock file {path}); "
                       "waiting for it to finish", file=sys.stderr, flush=True)
                 fcntl.flock(fd, fcntl.LOCK_EX)
