@@ -409,6 +409,11 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
                         f"written to {cache_dir}. {skipped}")
     _write(os.path.join(cache_dir, "manifest.json"),
            lambda tmp: tmp.write_bytes(json.dumps(manifest, indent=1).encode()), "the cache manifest")
+    for i, sh in enumerate(shards):  # fields the format does not read: said once per source
+        unread = SkipReport(strict=False)
+        unread.merge({"unread": metas[i]["skipped"].get("unread", {})})
+        if unread.unread:
+            warnings.warn(f"{sh.path}: {unread.unread_text()}", stacklevel=2)
     cache = TokenCache(cache_dir, verify=verify)
     cache.n_built = len(todo)
     return cache

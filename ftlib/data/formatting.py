@@ -15,6 +15,11 @@ Three kinds (``FormatConfig.kind``):
 ``instruction``  ``record[prompt_field]`` / ``record[response_field]`` (and an optional
                  ``system_field``) turned into a user/assistant conversation, then as ``chat``.
 
+Record layouts (``ftlib.data.layouts``): besides ``messages``, chat reads ShareGPT (with its
+top-level ``system``), TRL's conversational prompt/completion and Alpaca records; a field no
+layout reads that looks like content is counted in the report (``report.unread``), never
+dropped unseen; ``ignore_fields`` silences named ones.
+
 Roles. A message's role must be one of ``FormatConfig.roles`` (default ``CHAT_ROLES``: system,
 user, assistant, tool, function); any other (a misspelled ``"usr"``) is an ``unknown_role``
 skip: a ``DataError`` naming the record, the message and the role in strict mode, counted in
@@ -44,6 +49,24 @@ tokenizer exactly, else ``Tokenizer.encode_batch``) and builds their masks in on
 is raised); the token cache formats each chunk of records that way. ``loss_on="all"`` puts every
 token in the loss. A record with an empty assistant turn is reported as ``empty_response``:
 with loss on assistant turns only, that turn would teach the model to answer with nothing.
+
+Tool calls. An assistant turn with ``tool_calls`` (OpenAI's ``[{"id", "type": "function",
+"function": {"name", "arguments"}}]``, or flat ``{"name", "arguments"}``; ``content`` may be
+empty, ``None`` or missing) is what the model must learn to write, so it is trained whole: the
+call, its arguments and the turn end. The record's tool list (``tools_field``, default ``tools``;
+a list, or JSON text of one) is passed to the template as ``tools``, as ``transformers`` does;
+``tool_call_id`` and ``name`` of tool results pass through. The shipped templates (Qwen2.5/3,
+Llama-3.1/3.2, Mistral, Hermes) have no ``{% generation %}`` markers, which TRL's
+``assistant_only_loss`` needs, so the call's tokens are found the way content is: each call's
+function name is wrapped in sentinels too (they locate the call in the rendered text and show
+that the template writes every call, else the record is a ``template_error`` naming the missing
+calls). The turn's span runs from the first character the model writes — the turn's content
+when the template shows it, else the call's *lead*, what the template writes between an
+assistant turn's header and a call's name (``<tool_call>\n{"name": "`` for Qwen/Hermes, ``{"name":
+"`` for Llama-3.1, ``[TOOL_CALLS] [{"name": "`` for Mistral), read once per template from a probe
+conversation as the text before the probe call's name less what precedes a plain assistant
+content — through the last call and the turn end after it. A template that leaves the content of
+a calling turn out (Llama-3.1, Hermes) trains what it renders: the call.
 
 Turn end. ``turn_end=`` names it explicitly. Otherwise it is read from the template itself,
 whatever the template: a probe conversation (user, assistant, user, assistant) with sentinel
