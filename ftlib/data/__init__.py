@@ -28,6 +28,7 @@ from .formatting import (
     render_chat,
 )
 from .loader import TokenLoader, UnitLoader
+from .mixture import MixedDocs, parse_mixture
 from .packing import PackPlan, PackStats, bfd_assign, cpp_available, pack
 from .pair_batches import (
     MarginFilter,
@@ -74,6 +75,7 @@ __all__ = [
     "Formatter",
     "LOSS_BIT",
     "MarginFilter",
+    "MixedDocs",
     "PackPlan",
     "PackStats",
     "PairCache",
@@ -110,6 +112,7 @@ __all__ = [
     "padding_fraction",
     "pair_tokens",
     "parse_hub_spec",
+    "parse_mixture",
     "render_chat",
     "resolve_hub_dataset",
     "select_pairs",

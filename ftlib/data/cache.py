@@ -424,7 +424,7 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
                         f"written to {cache_dir}. {skipped}")
     _write(os.path.join(cache_dir, "manifest.json"),
            lambda tmp: tmp.write_bytes(json.dumps(manifest, indent=1).encode()), "the cache manifest")
-    for i, sh in enumerate(shards):  # fields the format does not read: said once per source
+    for i, sh, _ in todo:  # fields the format does not read: said once per source, when it is tokenized
         unread = SkipReport(strict=False)
         unread.merge({"unread": metas[i]["skipped"].get("unread", {})})
         if unread.unread:

@@ -31,7 +31,8 @@ from pathlib import Path
 from .formatting import FormatConfig
 from .templates import ChatTemplate, resolve_chat_template
 
-__all__ = ["FIELD_FLAGS", "FlagError", "FlagParser", "add_format_flags", "data_error_message", "default_num_proc",
+__all__ = ["FIELD_FLAGS", "FlagError", "FlagParser", "add_format_flags", "data_error_message", "data_sources",
+           "default_num_proc",
            "flag_message", "format_config_from_args", "load_tokenizer_arg"]
 
 # FormatConfig field -> the flag that sets it (the library's messages name fields; users know flags)
@@ -104,6 +105,17 @@ def add_format_flags(p: argparse.ArgumentParser, *, kinds: tuple[str, ...] = ("c
                         "stopping at the first")
     g.add_argument("--num-proc", type=int, default=default_num_proc(),
                    help="tokenizer processes (default: half the CPUs, %(default)s here)")
+
+
+def data_sources(specs, flag: str = "--data") -> list[tuple[str, float | None]]:
+    """``--data`` values as ``[(source, weight or None)]`` (``PATH:WEIGHT`` makes a weighted mixture,
+    ``ftlib.data.mixture``; a config file may give a list or a mapping ``{path: weight}``)."""
+    from .mixture import parse_mixture
+
+    try:
+        return parse_mixture(specs)
+    except ValueError as e:
+        raise FlagError(f"{flag}: {e}") from None
 
 
 def _fields(v) -> tuple[str, ...]:
