@@ -347,6 +347,8 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
 
     Returns (train loader, eval loader or None, format config, chat template or None, fingerprint of
     the data, number of held-out documents also in the training data)."""
+    if isinstance(args.data, dict):  # a config file's data: {path: weight}
+        args.data = [f"{k}:{v}" for k, v in args.data.items()]
     prebuilt = {name: _token_cache_dir(src) for name, src in (("train", args.data), ("eval", args.eval_data))}
     caches, fcfg, template = {}, None, None
     if prebuilt["train"]:

@@ -62,7 +62,12 @@ be read to its end; missing fields and empty documents are found by the formatte
 counted with the number of records it cost — known for a bad record, a refused member (its
 records are counted, not read as data) or a corrupt Parquet file (its footer gives the row
 count); unknown for a gzip, tar or JSON stream cut short, where the report states how many
-records were read before the cut. Nothing is dropped silently.
+records were read before the cut. Nothing is dropped silently. A record holding a lone UTF-16
+surrogate (``"\ud800"``: no UTF-8 for it, the tokenizer would fail on its whole batch) is an
+``invalid_unicode`` skip, JSON nested past Python's recursion limit a ``malformed_json`` one (in a
+``.json`` document as a cut: where it ends is unknown), and any other exception a record raises
+while it is formatted or encoded a ``format_error`` (``ftlib.data.cache`` formats that chunk record
+by record to find it): each at its file:line, the other records kept.
 
 Fingerprint. :func:`shard_fingerprint` is the shard's size plus a SHA-256 over its first and
 last MiB and 16 evenly spaced 64 KiB blocks. It costs ~3 MiB of reads per shard whatever the

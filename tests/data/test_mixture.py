@@ -98,3 +98,19 @@ def test_data_flag_weights_are_checked_with_one_line_naming_the_flag():
     assert data_sources(["a.jsonl:0.7", "b/:0.3"]) == [("a.jsonl", 0.7), ("b/", 0.3)]
     with pytest.raises(FlagError, match=r"^--data: give every source a weight or none: b/ has none"):
         data_sources(["a.jsonl:0.7", "b/"])
+
+
+@pytest.mark.parametrize("value", [["a.jsonl:0.7", "b/:0.3"], {"a.jsonl": 0.7, "b/": 0.3}], ids=["list", "mapping"])
+def test_a_mixture_in_a_config_file(tmp_path, value):
+    import json
+
+    from ftlib.data.cli import data_sources
+    from ftlib.train.cli import FlagParser, add_data_flags, parse_with_config
+
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"data": value}))
+    p = FlagParser()
+    add_data_flags(p)
+    p.add_argument("--config")
+    args = parse_with_config(p, ["--config", str(cfg)])
+    assert data_sources(args.data) == [("a.jsonl", 0.7), ("b/", 0.3)]
