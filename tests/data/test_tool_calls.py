@@ -136,3 +136,31 @@ def test_malformed_tool_calls_are_named(tool_tokenizer):
     rec["messages"][1]["tool_calls"] = [{"function": {"arguments": {}}}]
     with pytest.raises(DataError, match="x:1: bad_field: message 1: 'tool_calls'"):
         fmt(rec, "x:1", SkipReport(strict=True))
+
+
+def _call(i, city):
+    return {"id": f"call{i:05d}", "type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_TEMPLATES))
+def test_consecutive_and_parallel_calls_are_each_trained(tool_tokenizer, name):
+    """Two calling turns in a row (call, result, call, result, answer), the second with two calls at once
+    (Llama-3.1/3.2 take one call per turn: there the second turn has one)."""
+    two = [_call(2, "Rome")] if name.startswith("llama") else [_call(2, "Rome"), _call(3, "Oslo")]
+    rec = {"messages": [{"role": "user", "content": "Weather in Paris, then Rome and Oslo?"},
+                        {"role": "assistant", "content": "", "tool_calls": [_call(1, "Paris")]},
+                        {"role": "tool", "content": "sunny", "tool_call_id": "call00001", "name": "get_weather"},
+                        {"role": "assistant", "content": "", "tool_calls": two}]
+           + [{"role": "tool", "content": w, "tool_call_id": c["id"], "name": "get_weather"}
+              for c, w in zip(two, ("rain", "snow"))]
+           + [{"role": "assistant", "content": "Sunny, then rain and snow."}], "tools": TOOLS}
+    fmt = _formatter(tool_tokenizer, name)
+    text, spans = fmt._prepare(rec, "x:1", SkipReport(strict=True))
+    trained = [text[s:e] for s, e in spans]
+    assert len(trained) == 3
+    assert "Paris" in trained[0] and "sunny" not in trained[0]
+    assert all(c["function"]["arguments"]["city"] in trained[1] for c in two) and "rain" not in trained[1]
+    assert trained[2].startswith("Sunny, then rain and snow.")
+    for t in trained[:2]:  # each calling turn from the call's first character to its turn end
+        assert t.startswith(("<tool_call>", '{"name"', "[TOOL_CALLS]")), t
+        assert t.endswith(TOOL_TEMPLATES[name][2]), t
