@@ -87,7 +87,7 @@ from ftlib.data import (
     render_chat,
 )
 from ftlib.data.cli import FlagError, FlagParser, data_error_message, data_sources, format_config_from_args
-from ftlib.data.sharegpt import chat_turns
+from ftlib.data.layouts import record_messages
 from ftlib.data.templates import ChatTemplate
 from ftlib.distributed import (
     ShardedCheckpointer,
@@ -471,7 +471,7 @@ def heldout_prompts(args, template: str | None, tok, n: int):
         except DataError as e:
             usage_error(data_error_message("--eval-data", e, args.lenient))
         try:
-            _, msgs = chat_turns(rec, args.messages_field)
+            _, msgs, _ = record_messages(rec, args)  # any chat layout: messages, ShareGPT, prompt/completion, Alpaca
         except (KeyError, ValueError):
             msgs = None
         if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant":
