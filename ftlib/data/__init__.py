@@ -12,6 +12,10 @@ Preference pairs take the same path: ``PairConfig`` / ``build_pair_cache`` (``pa
 loaders are fronts of one core, ``UnitLoader`` (``loader.py``). Chat templates are rendered by
 one function, ``render_chat(messages, template)``.
 
+Records come in the layouts people have (``layouts.py``: OpenAI-style ``messages`` with tool calls,
+ShareGPT, TRL prompt/completion, Alpaca). Several sources mix by weight (``mixture.py``:
+``MixedDocs`` + ``TokenLoader(..., weights=...)``).
+
 Pre-tokenize from the shell: ``python -m ftlib.data build --help``.
 """
 

@@ -10,7 +10,8 @@ messages with the chat template. By ``FormatConfig.kind``:
                  ``function_call`` / ``observation`` turns: ``ftlib.data.sharegpt``);
                  TRL's conversational prompt/completion (``prompt`` and ``completion`` both
                  message lists: the conversation is ``prompt + completion``);
-                 Alpaca (``instruction``, optional ``input``, ``output``, optional ``system``).
+                 Alpaca (``instruction``, optional ``input``, ``output``, optional ``system`` and
+                 LLaMA-Factory's ``history``: earlier ``[instruction, response]`` pairs, first).
 ``instruction``  ``prompt_field`` / ``response_field`` strings (optional ``system_field``): one
                  user turn and one assistant turn; TRL's ``completion`` stands for the response
                  when ``response_field`` is the default and the record has none; prompt and
@@ -25,8 +26,8 @@ template; with a chat template the model's own turn markup takes their place). A
 
 Unread fields. Whatever the layout, a field of the record that it does not read and that looks
 like content — a string with a space or line break in it, or a list / mapping holding one (a
-``context`` beside Dolly's ``instruction``, an ``input`` beside ``prompt``, a ShareGPT
-``history``) — is reported, never dropped unseen: :func:`unread_fields` names them, the formatter
+``context`` beside Dolly's ``instruction``, an ``input`` beside ``prompt``, a ``notes`` beside
+``messages``) — is reported, never dropped unseen: :func:`unread_fields` names them, the formatter
 passes them to the ``SkipReport`` (``report.unread``), which counts them per field with the first
 location and prints them once per source. ``FormatConfig.ignore_fields`` (``--ignore-fields``)
 silences the fields named there. Identifiers, labels and numbers (``id``, ``category``, ``lang``,
@@ -39,7 +40,7 @@ from .sharegpt import SHAREGPT_FIELD, SHAREGPT_READS, chat_turns
 
 __all__ = ["ALPACA_FIELDS", "looks_like_content", "record_messages", "unread_fields"]
 
-ALPACA_FIELDS = ("instruction", "input", "output", "system")
+ALPACA_FIELDS = ("instruction", "input", "output", "system", "history")
 
 
 def _alpaca(rec: dict) -> list[dict]:
@@ -52,6 +53,12 @@ def _alpaca(rec: dict) -> list[dict]:
     user = rec["instruction"] + ("\n\n" + inp if inp and inp.strip() else "")
     system = rec.get("system")
     msgs = [{"role": "system", "content": system}] if isinstance(system, str) and system.strip() else []
+    history = rec.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) for x in h)
+                                                for h in history):
+        raise ValueError("field 'history' must be a list of [instruction, response] pairs of strings")
+    for q, a in history:  # earlier turns (LLaMA-Factory's Alpaca layout), before the instruction
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     return msgs + [{"role": "user", "content": user}, {"role": "assistant", "content": rec["output"]}]
 
 

@@ -28,6 +28,8 @@ def test_alpaca_input_is_joined_to_the_instruction(tokenizer, kind):
     text, doc = _text(tokenizer, cfg, rec)
     assert text == _rendered([{"role": "user", "content": "Translate to French\n\nthe sky is blue"},
                               {"role": "assistant", "content": "le ciel est bleu"}])
+    hist = _text(tokenizer, cfg, {**rec, "history": [["hi there", "hello you"]]})[0]
+    assert hist.startswith(_rendered([{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello you"}]))
     no_input = _text(tokenizer, cfg, {**rec, "input": ""})[0]
     assert "the sky" not in no_input and "Translate to French<|im_end|>" in no_input
 
@@ -92,7 +94,7 @@ def test_unread_fields_are_reported_for_every_layout(tokenizer):
     recs = {"messages": {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
                          "notes": "a long note here"},
             "sharegpt": {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}],
-                         "history": [["earlier question", "earlier answer"]]},
+                         "history": [["earlier question", "earlier answer"]]},  # Alpaca's field, not ShareGPT's
             "alpaca": {"instruction": "q", "output": "a", "context": "some context text"}}
     for name, rec in recs.items():
         report = SkipReport(strict=True)
