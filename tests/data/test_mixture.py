@@ -114,3 +114,13 @@ def test_a_mixture_in_a_config_file(tmp_path, value):
     p.add_argument("--config")
     args = parse_with_config(p, ["--config", str(cfg)])
     assert data_sources(args.data) == [("a.jsonl", 0.7), ("b/", 0.3)]
+
+
+@pytest.mark.parametrize("group_by_length", [False, True])
+def test_a_mixture_of_padded_documents(group_by_length):
+    loader = TokenLoader(_mixed(), batch_size=4, pad_id=0, packing=False, seed=1, weights=[1, 1],
+                         group_by_length=group_by_length)
+    mix = loader.mix()
+    assert abs(mix["a.jsonl"]["share"] - 0.5) < 0.03
+    seen = [set(b["input_ids"].numpy().ravel().tolist()) - {0} for b in loader]
+    assert len(seen) == len(loader) and {1, 2} <= set().union(*seen)
