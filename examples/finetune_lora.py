@@ -471,7 +471,7 @@ def heldout_prompts(args, template: str | None, tok, n: int):
         except DataError as e:
             usage_error(data_error_message("--eval-data", e, args.lenient))
         try:
-            _, msgs, _ = record_messages(rec, args)  # any chat layout: messages, ShareGPT, prompt/completion, Alpaca
+            _, msgs, _, _ = record_messages(rec, args)  # any chat layout: messages, ShareGPT, prompt/completion, Alpaca
         except (KeyError, ValueError):
             msgs = None
         if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant":

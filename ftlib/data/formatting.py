@@ -347,10 +347,11 @@ class Formatter:
 
     # -- record -> (text, assistant spans) ------------------------------------------------------
     def _messages(self, rec: dict, where: str, report: SkipReport):
-        """``(messages, tools or None)`` of a chat / instruction record, or None (reported)."""
+        """``(messages, tools or None, leading context messages)`` of a chat / instruction record, or None
+        (reported)."""
         c = self.cfg
         try:  # the record's layout (ftlib.data.layouts): messages, ShareGPT, TRL prompt/completion, Alpaca
-            field, msgs, read = record_messages(rec, c)
+            field, msgs, read, n_context = record_messages(rec, c)
         except KeyError as e:
             report.add("missing_field", where, f"field {e.args[0]!r} not in record")
             return None
@@ -409,9 +410,9 @@ class Formatter:
         if c.loss_on == "assistant":
             # only the turn end would carry loss there: the model would learn to answer with nothing
             # (a turn that calls a tool is not empty: the call is what it says)
-            empty = [j for j, m in enumerate(msgs)
-                     if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls")]
-            n_answers = sum(m["role"] == "assistant" for m in msgs)
+            empty = [j for j, m in enumerate(msgs) if j >= n_context and m["role"] == "assistant"
+                     and not m["content"].strip() and not m.get("tool_calls")]
+            n_answers = sum(m["role"] == "assistant" for m in msgs[n_context:])
             if empty and len(empty) == n_answers:
                 report.add("empty_response", where, "every assistant turn is empty")
                 return None
@@ -419,7 +420,7 @@ class Formatter:
                 report.add("empty_response", where, f"assistant message {empty[0]} is empty (of {n_answers} "
                            "assistant turns); it would train the model to stop at once")
                 return None
-        return msgs, tools
+        return msgs, tools, n_context
 
     def _call_lead(self) -> str:
         """What the template writes from an assistant turn's start to a tool call's function name, read
@@ -443,6 +444,10 @@ class Formatter:
             if 0 <= u < n and 0 <= a < h:
                 lead = text[u + 1 : n]
                 self._lead = lead[len(os.path.commonprefix([lead, plain[a + 1 : h]])) :]
+            if not self._lead:
+                warnings.warn("chat template: what it writes before a tool call's function name could not be read "
+                              "from a probe conversation; a call's loss starts where the record's rendering shares "
+                              "no text with it (at the name, at worst)", stacklevel=4)
         return self._lead
 
     def _kw(self) -> dict:
@@ -450,8 +455,9 @@ class Formatter:
         return {"bos_token": self.bos_text or "", "eos_token": self.eos_text or "", "add_generation_prompt": False,
                 "max_seconds": c.template_max_seconds, "max_chars": c.template_max_chars}
 
-    def _render(self, msgs: list[dict], tools=None) -> tuple[str, list[tuple[int, int]], int]:
-        """(text, assistant spans, tool / function contents the text shows) of a conversation."""
+    def _render(self, msgs: list[dict], tools=None, n_context: int = 0) -> tuple[str, list[tuple[int, int]], int]:
+        """(text, assistant spans, tool / function contents the text shows) of a conversation whose first
+        ``n_context`` messages carry no loss whatever their role."""
         c = self.cfg
         kw = self._kw()
         if tools is not None:
@@ -466,8 +472,8 @@ class Formatter:
         # stripped (assistant turns, tool results, or both, as the template trims them)
         for strip_a, strip_t in ((False, False), (True, False), (False, True), (True, True)):
             marked = []
-            for m in msgs:
-                if m["role"] == "assistant":
+            for j, m in enumerate(msgs):
+                if m["role"] == "assistant" and j >= n_context:
                     content = m["content"].strip() if strip_a else m["content"]
                     # an empty content stays empty (a template tests it: "if message.content")
                     m = {**m, "content": _S0 + content + _S1 if content or not m.get("tool_calls") else content}
@@ -492,7 +498,7 @@ class Formatter:
                     plain = render_chat(msgs, c.chat_template, **kw)  # not reached for such a template
             if stripped != plain:
                 continue
-            spans = self._turn_spans(msgs, events, plain)
+            spans = self._turn_spans(msgs, events, plain, n_context)
             if spans is not None:
                 break
         else:
@@ -502,7 +508,7 @@ class Formatter:
             )
         return plain, spans, seps.count(_T0)
 
-    def _turn_spans(self, msgs, events, plain) -> list[tuple[int, int]] | None:
+    def _turn_spans(self, msgs, events, plain, n_context: int = 0) -> list[tuple[int, int]] | None:
         """The loss spans of the assistant turns from the sentinel positions ``events`` (in text order, the
         messages' order); None when they do not pair up as the messages say (another strip setting may).
 
@@ -513,14 +519,14 @@ class Formatter:
         turn end. ``ValueError`` when a template does not show a call, or shows no turn end after it."""
         te = self.turn_end
         spans, k, floor = [], 0, 0  # floor: the end of the previous message's marks
-        for m in msgs:
+        for j, m in enumerate(msgs):
             role = m["role"]
             if role in _TOOL_ROLES:
                 if k + 1 < len(events) and events[k][0] == _T0 and events[k + 1][0] == _T1:
                     floor = events[k + 1][1]
                     k += 2
                 continue
-            if role != "assistant":
+            if role != "assistant" or j < n_context:
                 continue
             content = None
             if k + 1 < len(events) and events[k][0] == _S0 and events[k + 1][0] == _S1:
@@ -611,9 +617,9 @@ class Formatter:
         got = self._messages(rec, where, report)
         if got is None:
             return None
-        msgs, tool_list = got
+        msgs, tool_list, n_context = got
         try:
-            text, spans, shown = self._render(msgs, tool_list)
+            text, spans, shown = self._render(msgs, tool_list, n_context)
         except Exception as e:  # template errors name the record, and say why
             report.add("template_error", where, _reason(e))
             return None

@@ -9,7 +9,8 @@ messages with the chat template. By ``FormatConfig.kind``:
                  ShareGPT ``conversations`` (``from`` / ``value``, a top-level ``system``,
                  ``function_call`` / ``observation`` turns: ``ftlib.data.sharegpt``);
                  TRL's conversational prompt/completion (``prompt`` and ``completion`` both
-                 message lists: the conversation is ``prompt + completion``);
+                 message lists: the conversation is ``prompt + completion``, and only the
+                 completion's assistant turns carry loss, as in TRL);
                  Alpaca (``instruction``, optional ``input``, ``output``, optional ``system`` and
                  LLaMA-Factory's ``history``: earlier ``[instruction, response]`` pairs, first).
 ``instruction``  ``prompt_field`` / ``response_field`` strings (optional ``system_field``): one
@@ -70,8 +71,10 @@ def _is_conversational(rec: dict, prompt: str = "prompt", completion: str = "com
     return isinstance(rec.get(prompt), list) and isinstance(rec.get(completion), list)
 
 
-def record_messages(rec: dict, cfg) -> tuple[str, object, set[str]]:
-    """(field named in errors, messages, record fields read) of a chat / instruction record.
+def record_messages(rec: dict, cfg) -> tuple[str, object, set[str], int]:
+    """(field named in errors, messages, record fields read, leading messages that are context) of a
+    chat / instruction record. Context: TRL's ``prompt`` messages, which TRL never trains (its
+    ``completion_only_loss``); an assistant turn there is shown to the model without loss.
 
     ``KeyError(field)``: the record has no layout of its kind (the field the default one needs);
     ``ValueError``: a layout's field is malformed (the message names it)."""
@@ -80,9 +83,9 @@ def record_messages(rec: dict, cfg) -> tuple[str, object, set[str]]:
         if r not in rec and r == "response" and "completion" in rec:
             r = "completion"
         if _is_conversational(rec, p, r):
-            return p, rec[p] + rec[r], {p, r}
+            return p, rec[p] + rec[r], {p, r}, len(rec[p])
         if p not in rec and _is_alpaca(rec):
-            return "instruction", _alpaca(rec), set(ALPACA_FIELDS)
+            return "instruction", _alpaca(rec), set(ALPACA_FIELDS), 0
         fields = ([cfg.system_field] if cfg.system_field else []) + [p, r]
         for f in fields:
             if f not in rec:
@@ -91,15 +94,15 @@ def record_messages(rec: dict, cfg) -> tuple[str, object, set[str]]:
                 raise ValueError(f"field {f!r} is {type(rec[f]).__name__}, not a string")
         msgs = [{"role": "system", "content": rec[cfg.system_field]}] if cfg.system_field else []
         msgs += [{"role": "user", "content": rec[p]}, {"role": "assistant", "content": rec[r]}]
-        return p, msgs, set(fields)
+        return p, msgs, set(fields), 0
     f = cfg.messages_field
     if f in rec or SHAREGPT_FIELD in rec:
         field, msgs = chat_turns(rec, f)
-        return field, msgs, ({field} | set(SHAREGPT_READS) if field == SHAREGPT_FIELD else {field})
+        return field, msgs, ({field} | set(SHAREGPT_READS) if field == SHAREGPT_FIELD else {field}), 0
     if _is_conversational(rec):
-        return "prompt", rec["prompt"] + rec["completion"], {"prompt", "completion"}
+        return "prompt", rec["prompt"] + rec["completion"], {"prompt", "completion"}, len(rec["prompt"])
     if _is_alpaca(rec):
-        return "instruction", _alpaca(rec), set(ALPACA_FIELDS)
+        return "instruction", _alpaca(rec), set(ALPACA_FIELDS), 0
     raise KeyError(f)
 
 

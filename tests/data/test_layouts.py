@@ -57,12 +57,13 @@ def test_sharegpt_function_call_and_observation_turns_are_tool_turns(tokenizer):
 @pytest.mark.parametrize("kind", ["chat", "instruction"])
 def test_trl_conversational_prompt_completion_is_one_conversation(tokenizer, kind):
     cfg = FormatConfig(kind=kind, chat_template="chatml")
-    rec = {"prompt": [{"role": "system", "content": "be kind"}, {"role": "user", "content": "why blue"}],
+    rec = {"prompt": [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello"},
+                      {"role": "assistant", "content": "hi there"}, {"role": "user", "content": "why blue"}],
            "completion": [{"role": "assistant", "content": "Rayleigh scattering"}]}
     text, doc = _text(tokenizer, cfg, rec)
     assert text == _rendered(rec["prompt"] + rec["completion"])
     trained = tokenizer.decode([i for i, m in zip(doc.input_ids, doc.loss_mask) if m], skip_special_tokens=False)
-    assert trained == "Rayleigh scattering<|im_end|>"
+    assert trained == "Rayleigh scattering<|im_end|>"  # the prompt's assistant turn is context, as in TRL
 
 
 def test_instruction_reads_trl_completion_for_the_response(tokenizer):

@@ -102,8 +102,8 @@ def test_the_mask_check_fails_when_the_call_tokens_are_dropped(tool_tokenizer, n
     fmt = _formatter(tool_tokenizer, name)
     real = formatting_mod.Formatter._turn_spans
 
-    def drop_calls(self, msgs, events, plain):  # the spans of turns with tool calls, dropped on purpose
-        spans = real(self, msgs, events, plain)
+    def drop_calls(self, msgs, events, plain, *rest):  # the spans of turns with tool calls, dropped on purpose
+        spans = real(self, msgs, events, plain, *rest)
         return [(s, e) for s, e in spans if "get_weather" not in plain[s:e]]
 
     monkeypatch.setattr(formatting_mod.Formatter, "_turn_spans", drop_calls)
