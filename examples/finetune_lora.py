@@ -77,6 +77,7 @@ from ftlib.data import (
     CacheError,
     DataError,
     FormatConfig,
+    MixedDocs,
     SkipReport,
     TokenLoader,
     build_cache,
@@ -85,8 +86,8 @@ from ftlib.data import (
     open_cache,
     render_chat,
 )
-from ftlib.data.cli import FlagError, FlagParser, data_error_message, format_config_from_args
-from ftlib.data.sharegpt import chat_turns
+from ftlib.data.cli import FlagError, FlagParser, data_error_message, data_sources, format_config_from_args
+from ftlib.data.layouts import record_messages
 from ftlib.data.templates import ChatTemplate
 from ftlib.distributed import (
     ShardedCheckpointer,
@@ -346,6 +347,8 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
 
     Returns (train loader, eval loader or None, format config, chat template or None, fingerprint of
     the data, number of held-out documents also in the training data)."""
+    if isinstance(args.data, dict):  # a config file's data: {path: weight}
+        args.data = [f"{k}:{v}" for k, v in args.data.items()]
     prebuilt = {name: _token_cache_dir(src) for name, src in (("train", args.data), ("eval", args.eval_data))}
     caches, fcfg, template = {}, None, None
     if prebuilt["train"]:
@@ -363,8 +366,17 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
         except FlagError as e:
             usage_error(str(e))
     reports = {}
+    try:  # --data a.jsonl:0.7 b/:0.3: a weighted mixture, each source its own cache (ftlib.data.mixture)
+        mix = data_sources(args.data) if args.data and not prebuilt["train"] else []
+    except FlagError as e:
+        usage_error(str(e))
+    weights = [w for _, w in mix] if mix and mix[0][1] is not None else None
     for name, src in {"train": args.data, "eval": args.eval_data}.items():
         if not src or name in caches:
+            continue
+        if name == "train" and weights:
+            caches[name] = MixedDocs([build_mixture_part(p, i, fcfg, tok, args, out, rank, world)
+                                      for i, (p, _) in enumerate(mix)], names=[p for p, _ in mix])
             continue
         if prebuilt[name]:
             caches[name], efcfg, _ = open_prebuilt(prebuilt[name], "--eval-data", tok, args)
@@ -387,9 +399,9 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
         except FileNotFoundError as e:
             usage_error(f"{flag}: {e}")
     for name, c in caches.items():
-        reports[name] = c.report
-        if c.report:
-            log(f"{'--data' if name == 'train' else '--eval-data'}: {c.report}")
+        reports[name] = c.report if not isinstance(c, MixedDocs) else _merged_report([x.report for x in c.parts])
+        if reports[name]:
+            log(f"{'--data' if name == 'train' else '--eval-data'}: {reports[name]}")
     if rank == 0 and any(reports.values()):  # every skip, where the run's other records are
         (out / "skipped.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=1) + "\n")
     train_docs, eval_docs = caches["train"], caches.get("eval")
@@ -397,15 +409,48 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
         train_docs, eval_docs = heldout_split(train_docs, args.eval_split, seed=args.seed)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     loader = TokenLoader(train_docs, batch_size=args.batch_size, seq_len=args.seq_len, pad_id=pad_id, packing=True,
-                         seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda")
+                         seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                         weights=weights)
     eval_loader = None
     if eval_docs is not None:  # every held-out document exactly once, in a fixed order
         eval_loader = TokenLoader(eval_docs, batch_size=args.batch_size, seq_len=args.seq_len, pad_id=pad_id,
                                   packing=True, shuffle=False, drop_last=False)
-    fp = hashlib.sha256(json.dumps({name: [s["key"] for s in c.manifest["shards"]] for name, c in caches.items()}
-                                   | {"eval_split": args.eval_split}, sort_keys=True).encode()).hexdigest()
+    fp = hashlib.sha256(json.dumps({name: [s["key"] for x in getattr(c, "parts", [c]) for s in x.manifest["shards"]]
+                                    for name, c in caches.items()}
+                                   | {"eval_split": args.eval_split} | ({"weights": weights} if weights else {}),
+                                   sort_keys=True).encode()).hexdigest()
     overlap = _overlap(train_docs, eval_docs) if rank == 0 else 0
     return loader, eval_loader, fcfg, template, fp, overlap
+
+
+def build_mixture_part(src: str, i: int, fcfg, tok, args, out: Path, rank: int, world: int):
+    """Source ``i`` of a weighted --data mixture: a cache of its own (a prebuilt one, or built under
+    --out/cache/mix-i with the run's format)."""
+    if _token_cache_dir([src]):
+        cache, pcfg, _ = open_prebuilt(src, "--data", tok, args)
+        if pcfg.fingerprint() != fcfg.fingerprint():
+            usage_error(f"--data {src}: built with other format settings than the run's (kind, template, fields or "
+                        "special tokens); build every source of a mixture the same way")
+        return cache
+    cache_dir = str(out / "cache" / f"mix-{i}")
+    try:
+        if rank == 0:
+            build_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=args.num_proc, progress=True,
+                        strict=not args.lenient)
+        if world > 1:
+            torch.distributed.barrier()
+        return build_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=1, progress=False, strict=not args.lenient)
+    except DataError as e:
+        usage_error(data_error_message("--data", e, args.lenient))
+    except FileNotFoundError as e:
+        usage_error(f"--data: {e}")
+
+
+def _merged_report(reports) -> SkipReport:
+    merged = SkipReport(strict=False)
+    for r in reports:
+        merged.merge(r)
+    return merged
 
 
 def heldout_prompts(args, template: str | None, tok, n: int):
@@ -426,7 +471,7 @@ def heldout_prompts(args, template: str | None, tok, n: int):
         except DataError as e:
             usage_error(data_error_message("--eval-data", e, args.lenient))
         try:
-            _, msgs = chat_turns(rec, args.messages_field)
+            _, msgs, _, _ = record_messages(rec, args)  # any chat layout: messages, ShareGPT, prompt/completion, Alpaca
         except (KeyError, ValueError):
             msgs = None
         if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant":
@@ -563,6 +608,10 @@ def main(argv=None):
     log(f"data: {len(loader.docs)} documents, {len(loader)} micro-batches/epoch/rank; packing: {ps.n_rows} rows of "
         f"{args.seq_len} tokens, {ps.fill_ratio:.1%} filled, {ps.n_split_docs} documents split"
         + (f"; held out: {len(eval_loader.docs)} documents" if eval_loader is not None else ""))
+    data_mix = loader.mix(0)
+    if data_mix:  # the realised mix of the first epoch (each epoch draws its own, in the same proportions)
+        log("data mix (epoch 0): " + ", ".join(f"{k} {v['units']} rows = {v['share']:.1%} of tokens (weight "
+                                               f"{v['weight']:.0%})" for k, v in data_mix.items()))
     if overlap:
         log(f"warning: {overlap} of {len(eval_loader.docs)} held-out documents are also in the training data "
             "(exact token match): the held-out scores overstate generalisation")
@@ -624,7 +673,7 @@ def main(argv=None):
     if rank == 0:
         write_run_manifest(out, vars(args), device=device, world_size=world, data_fingerprint=data_fp, resume=resumed,
                            extra={"chat_template": {"text": template.text, "source": template.source}
-                                  if template else None, "heldout_in_train": overlap})
+                                  if template else None, "heldout_in_train": overlap, "data_mix": data_mix})
     tokens_seen, train_s = resumed.extra.get("tokens_seen", 0), resumed.extra.get("train_time_s", 0.0)
     logger = MetricsLogger(out / "metrics.jsonl", total_steps=total, start_step=step, rank=rank, world_size=world,
                            device=device, flops=flops, print_every=args.log_every,

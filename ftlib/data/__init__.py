@@ -12,6 +12,10 @@ Preference pairs take the same path: ``PairConfig`` / ``build_pair_cache`` (``pa
 loaders are fronts of one core, ``UnitLoader`` (``loader.py``). Chat templates are rendered by
 one function, ``render_chat(messages, template)``.
 
+Records come in the layouts people have (``layouts.py``: OpenAI-style ``messages`` with tool calls,
+ShareGPT, TRL prompt/completion, Alpaca). Several sources mix by weight (``mixture.py``:
+``MixedDocs`` + ``TokenLoader(..., weights=...)``).
+
 Pre-tokenize from the shell: ``python -m ftlib.data build --help``.
 """
 
@@ -28,6 +32,7 @@ from .formatting import (
     render_chat,
 )
 from .loader import TokenLoader, UnitLoader
+from .mixture import MixedDocs, parse_mixture
 from .packing import PackPlan, PackStats, bfd_assign, cpp_available, pack
 from .pair_batches import (
     MarginFilter,
@@ -74,6 +79,7 @@ __all__ = [
     "Formatter",
     "LOSS_BIT",
     "MarginFilter",
+    "MixedDocs",
     "PackPlan",
     "PackStats",
     "PairCache",
@@ -110,6 +116,7 @@ __all__ = [
     "padding_fraction",
     "pair_tokens",
     "parse_hub_spec",
+    "parse_mixture",
     "render_chat",
     "resolve_hub_dataset",
     "select_pairs",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 from .cache import CacheError, build_cache, open_cache
 from .cli import (
@@ -109,10 +110,13 @@ def main(argv=None) -> int:
         b.error(str(e))
     if template is not None:
         print(f"chat template: {template.source}")
+    # unread record fields are named once, in the report printed below, not also as a warning per source
     try:
-        c = build_cache(a.source, tok.tokenizer, cfg, a.out, num_proc=a.num_proc, strict=not a.lenient,
-                        progress=not a.no_progress, full_hash=a.full_hash,
-                        limits=ReadLimits(a.max_record_bytes, a.max_file_bytes))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*fields the format does not read")
+            c = build_cache(a.source, tok.tokenizer, cfg, a.out, num_proc=a.num_proc, strict=not a.lenient,
+                            progress=not a.no_progress, full_hash=a.full_hash,
+                            limits=ReadLimits(a.max_record_bytes, a.max_file_bytes))
     except DataError as e:
         b.error(data_error_message("--source", e, a.lenient))
     except FileNotFoundError as e:

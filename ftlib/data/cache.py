@@ -163,8 +163,23 @@ def _work(task) -> _Chunk:
                 yield rec, item[1]
 
     batch = getattr(fmt, "format_batch", None)  # one encode_batch per chunk (formatting.Formatter)
-    outs = batch(records(), report) if batch is not None else [(where, fmt(rec, where, report))
-                                                               for rec, where in records()]
+    try:
+        outs = batch(records(), report) if batch is not None else [(where, fmt(rec, where, report))
+                                                                   for rec, where in records()]
+    except DataError:
+        raise
+    except Exception:  # a record the formatter or tokenizer fails on: find it, keep the others
+        report = SkipReport(strict=_W["strict"])
+        if isinstance(getattr(fmt, "stats", None), dict):
+            fmt.stats.update(stats0)
+        outs = []
+        for rec, where in records():
+            try:
+                outs.append((where, fmt(rec, where, report)))
+            except DataError:
+                raise
+            except Exception as e:  # strict: one line naming file:line; lenient: skipped and counted there
+                report.add("format_error", where, f"{type(e).__name__}: {e}".replace("\n", " ")[:300])
     for where, out in outs:
         for doc in [] if out is None else out if isinstance(out, list) else [out]:
             got = tuple(sorted(doc.extra)) if doc.extra else ()
@@ -490,6 +505,11 @@ def _build(sources, shards: list[Shard], tokenizer, config: FormatConfig, cache_
                         f"written to {cache_dir}. {skipped}")
     _write(os.path.join(cache_dir, "manifest.json"),
            lambda tmp: tmp.write_bytes(json.dumps(manifest, indent=1).encode()), "the cache manifest")
+    for i, sh, _ in todo:  # fields the format does not read: said once per source, when it is tokenized
+        unread = SkipReport(strict=False)
+        unread.merge({"unread": metas[i]["skipped"].get("unread", {})})
+        if unread.unread:
+            warnings.warn(f"{sh.path}: {unread.unread_text()}", stacklevel=2)
     cache = TokenCache(cache_dir, verify=verify)
     cache.n_built = len(todo)
     return cache
@@ -525,7 +545,7 @@ class TokenCache:
         self.report = SkipReport(strict=False)
         self.stats: collections.Counter = collections.Counter()
         self.n_built = 0
-        self._ids, self._mask, self._off, self._maps = [], [], [], []
+        self._ids, self._mask, self._off = [], [], []
         cols: dict[str, list] = {c: [] for c in names}
         sdir = os.path.join(cache_dir, "shards")
         for j, s in enumerate(self.manifest["shards"]):
@@ -535,12 +555,15 @@ class TokenCache:
             meta = _load_meta(os.path.join(sdir, s["key"] + ".json"))
             if verify != "none":
                 _check_file(apath, meta, verify)
+            mm = None
             try:
                 mm = pa.memory_map(apath, "r")
                 batch = pa.ipc.open_file(mm).get_batch(0)
                 ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
                 extra = [batch.column(c).to_numpy(zero_copy_only=True) for c in names]
             except (OSError, KeyError, pa.ArrowException) as e:
+                if mm is not None:
+                    mm.close()
                 raise CacheError(f"{apath}: not a readable Arrow IPC file of this cache ({e}); delete it and "
                                  "rebuild") from e
             off = ids_col.offsets.to_numpy(zero_copy_only=True)
@@ -549,7 +572,9 @@ class TokenCache:
             if (len(off) != meta["n_docs"] + 1 or int(off[-1]) != len(ids) or len(ids) != len(mask)
                     or any(len(x) != meta["n_docs"] for x in extra)):
                 raise CacheError(f"{apath}: inconsistent offsets/values (corrupt); delete it and rebuild")
-            self._maps.append(mm)
+            # the arrays keep the mapping alive; the file handle goes now, so a cache of any number of shards
+            # holds no open files (1,500 shards under ulimit -n 1024 open; each mapping is one memory region)
+            mm.close()
             self._ids.append(ids)
             self._mask.append(mask)
             self._off.append(off)

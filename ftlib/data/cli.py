@@ -8,6 +8,8 @@ with :func:`add_format_flags` and turn them into a :class:`~ftlib.data.FormatCon
     --chat-template SPEC             built-in name, .jinja file, tokenizer_config.json, model folder
                                      or Jinja text (default: the tokenizer's; none -> refused)
     --messages-field / --text-field / --prompt-field / --response-field / --system-field
+    --tools-field NAME               chat: the per-record tool list given to the template (tools)
+    --ignore-fields A,B              record fields not read that are not to be reported
     --turn-end TEXT, --loss-on {assistant,all}
     --lenient                        skip bad records, count and report each one
     --num-proc N                     tokenizer processes (default: half the CPUs)
@@ -29,7 +31,8 @@ from pathlib import Path
 from .formatting import FormatConfig
 from .templates import ChatTemplate, resolve_chat_template
 
-__all__ = ["FIELD_FLAGS", "FlagError", "FlagParser", "add_format_flags", "data_error_message", "default_num_proc",
+__all__ = ["FIELD_FLAGS", "FlagError", "FlagParser", "add_format_flags", "data_error_message", "data_sources",
+           "default_num_proc",
            "flag_message", "format_config_from_args", "load_tokenizer_arg"]
 
 # FormatConfig field -> the flag that sets it (the library's messages name fields; users know flags)
@@ -37,7 +40,8 @@ FIELD_FLAGS = {"kind": "--kind", "chat_template": "--chat-template", "turn_end":
                "loss_on": "--loss-on", "bos_token": "--bos-token", "eos_token": "--eos-token",
                "add_bos": "--add-bos", "max_length": "--max-length", "truncation": "--truncation",
                "head_tail": "--head-tail", "truncation_sep": "--truncation-sep",
-               "messages_field": "--messages-field", "text_field": "--text-field"}
+               "messages_field": "--messages-field", "text_field": "--text-field", "tools_field": "--tools-field",
+               "ignore_fields": "--ignore-fields"}
 
 
 class FlagError(ValueError):
@@ -86,6 +90,12 @@ def add_format_flags(p: argparse.ArgumentParser, *, kinds: tuple[str, ...] = ("c
     g.add_argument("--prompt-field", default="prompt", help="instruction: the prompt field")
     g.add_argument("--response-field", default="response", help="instruction: the response field")
     g.add_argument("--system-field", default=None, help="instruction: an optional system-prompt field")
+    g.add_argument("--tools-field", default="tools",
+                   help="chat: the field holding a record's tool (function) list, passed to the chat template as "
+                        "'tools' (default: tools)")
+    g.add_argument("--ignore-fields", default="",
+                   help="comma-separated record fields the format does not read and that are not to be reported "
+                        "(by default every unread field that looks like content is reported once per source)")
     g.add_argument("--turn-end", default=None,
                    help="text after each assistant turn that also gets loss (default: read from the template)")
     g.add_argument("--loss-on", default="assistant", choices=["assistant", "all"],
@@ -95,6 +105,25 @@ def add_format_flags(p: argparse.ArgumentParser, *, kinds: tuple[str, ...] = ("c
                         "stopping at the first")
     g.add_argument("--num-proc", type=int, default=default_num_proc(),
                    help="tokenizer processes (default: half the CPUs, %(default)s here)")
+
+
+def data_sources(specs, flag: str = "--data") -> list[tuple[str, float | None]]:
+    """``--data`` values as ``[(source, weight or None)]`` (``PATH:WEIGHT`` makes a weighted mixture,
+    ``ftlib.data.mixture``; a config file may give a list or a mapping ``{path: weight}``)."""
+    from .mixture import parse_mixture
+
+    try:
+        return parse_mixture(specs)
+    except ValueError as e:
+        raise FlagError(f"{flag}: {e}") from None
+
+
+def _fields(v) -> tuple[str, ...]:
+    """``--ignore-fields``: comma-separated text (a config file may give a list)."""
+    if not v:
+        return ()
+    items = v if isinstance(v, (list, tuple)) else str(v).split(",")
+    return tuple(f.strip() for f in items if str(f).strip())
 
 
 def load_tokenizer_arg(spec: str, flag: str = "--tokenizer"):
@@ -144,7 +173,9 @@ def format_config_from_args(args: argparse.Namespace, tok, *, max_length: int | 
         cfg = FormatConfig(kind=args.kind, text_field=args.text_field, messages_field=args.messages_field,
                            prompt_field=args.prompt_field, response_field=args.response_field,
                            system_field=args.system_field, chat_template=template.text if template else None,
-                           turn_end=args.turn_end, loss_on=args.loss_on, bos_token=bos, eos_token=eos, **kw)
+                           turn_end=args.turn_end, loss_on=args.loss_on, bos_token=bos, eos_token=eos,
+                           tools_field=getattr(args, "tools_field", None) or "tools",
+                           ignore_fields=_fields(getattr(args, "ignore_fields", None)), **kw)
         if eos is not None or bos is not None:  # the tokens must be in the vocabulary
             cfg.formatter(tok.tokenizer)
     except ValueError as e:

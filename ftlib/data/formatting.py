@@ -15,6 +15,11 @@ Three kinds (``FormatConfig.kind``):
 ``instruction``  ``record[prompt_field]`` / ``record[response_field]`` (and an optional
                  ``system_field``) turned into a user/assistant conversation, then as ``chat``.
 
+Record layouts (``ftlib.data.layouts``): besides ``messages``, chat reads ShareGPT (with its
+top-level ``system``), TRL's conversational prompt/completion and Alpaca records; a field no
+layout reads that looks like content is counted in the report (``report.unread``), never
+dropped unseen; ``ignore_fields`` silences named ones.
+
 Roles. A message's role must be one of ``FormatConfig.roles`` (default ``CHAT_ROLES``: system,
 user, assistant, tool, function); any other (a misspelled ``"usr"``) is an ``unknown_role``
 skip: a ``DataError`` naming the record, the message and the role in strict mode, counted in
@@ -44,6 +49,24 @@ encoder) and builds their masks in one vectorised pass (same documents, same rep
 is raised); the token cache formats each chunk of records that way. ``loss_on="all"`` puts every
 token in the loss. A record with an empty assistant turn is reported as ``empty_response``:
 with loss on assistant turns only, that turn would teach the model to answer with nothing.
+
+Tool calls. An assistant turn with ``tool_calls`` (OpenAI's ``[{"id", "type": "function",
+"function": {"name", "arguments"}}]``, or flat ``{"name", "arguments"}``; ``content`` may be
+empty, ``None`` or missing) is what the model must learn to write, so it is trained whole: the
+call, its arguments and the turn end. The record's tool list (``tools_field``, default ``tools``;
+a list, or JSON text of one) is passed to the template as ``tools``, as ``transformers`` does;
+``tool_call_id`` and ``name`` of tool results pass through. The shipped templates (Qwen2.5/3,
+Llama-3.1/3.2, Mistral, Hermes) have no ``{% generation %}`` markers, which TRL's
+``assistant_only_loss`` needs, so the call's tokens are found the way content is: each call's
+function name is wrapped in sentinels too (they locate the call in the rendered text and show
+that the template writes every call, else the record is a ``template_error`` naming the missing
+calls). The turn's span runs from the first character the model writes — the turn's content
+when the template shows it, else the call's *lead*, what the template writes between an
+assistant turn's header and a call's name (``<tool_call>\n{"name": "`` for Qwen/Hermes, ``{"name":
+"`` for Llama-3.1, ``[TOOL_CALLS] [{"name": "`` for Mistral), read once per template from a probe
+conversation as the text before the probe call's name less what precedes a plain assistant
+content — through the last call and the turn end after it. A template that leaves the content of
+a calling turn out (Llama-3.1, Hermes) trains what it renders: the call.
 
 Turn end. ``turn_end=`` names it explicitly. Otherwise it is read from the template itself,
 whatever the template: a probe conversation (user, assistant, user, assistant) with sentinel
@@ -109,17 +132,18 @@ from .._jinja import (
     render_chat,
     template_text,
 )
+from .layouts import record_messages, unread_fields
 from .pretruncate import encode_bounded
 from .report import SkipReport
-from .sharegpt import chat_turns
 
 __all__ = ["BUILTIN_TEMPLATES", "CHAT_ROLES", "FormatConfig", "FormattedDoc", "Formatter", "TemplateLimitError",
            "detect_turn_end", "render_chat"]
 
 _S0, _S1 = "\ue000", "\ue001"  # private-use code points: assistant content start / end sentinels
 _T0, _T1 = "\ue002", "\ue003"  # the same around tool / function results (to see that the template shows them)
-_SENTINELS = re.compile(f"[{_S0}{_S1}{_T0}{_T1}]")
-_RESERVED = (_S0, _S1, _T0, _T1)
+_C0, _C1 = "\ue004", "\ue005"  # the same around a tool call's function name (where the call is written)
+_SENTINELS = re.compile(f"[{_S0}{_S1}{_T0}{_T1}{_C0}{_C1}]")
+_RESERVED = (_S0, _S1, _T0, _T1, _C0, _C1)
 _PROBE = [("user", "\ue010"), ("assistant", "\ue011"), ("user", "\ue012"), ("assistant", "\ue013")]
 TRUNCATIONS = ("prompt_left", "right", "head_tail")
 CHAT_ROLES = ("system", "user", "assistant", "tool", "function")
@@ -129,6 +153,20 @@ _TOOL_ROLES = ("tool", "function")
 def _reason(e: BaseException) -> str:
     """An exception as a skip reason: never empty (a bare MemoryError has no message)."""
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _call_name(call: dict):
+    """A tool call's function name: OpenAI's ``{"function": {"name"}}`` or a flat ``{"name"}``."""
+    fn = call.get("function")
+    return fn.get("name") if isinstance(fn, dict) else call.get("name")
+
+
+def _mark_call(call: dict) -> dict:
+    """``call`` with its function name between the call sentinels."""
+    fn = call.get("function")
+    if isinstance(fn, dict):
+        return {**call, "function": {**fn, "name": _C0 + fn["name"] + _C1}}
+    return {**call, "name": _C0 + call["name"] + _C1}
 
 
 def detect_turn_end(template: str, tokenizer, bos_token: str = "", eos_token: str = "", *,
@@ -184,6 +222,8 @@ class FormatConfig:
     head_tail: float | int = 0.5  # head_tail: share of kept region tokens from the head, or a head count
     truncation_sep: str | int | None = None  # head_tail: token put where the middle was cut
     roles: tuple[str, ...] = CHAT_ROLES  # chat roles a record may use; any other is skipped as unknown_role
+    tools_field: str = "tools"  # chat: the per-record tool (function) list passed to the template as `tools`
+    ignore_fields: tuple[str, ...] = ()  # record fields not read that are not to be reported (layouts.py)
     template_max_seconds: float = DEFAULT_MAX_SECONDS  # per render of one record (ftlib._jinja bounds)
     template_max_chars: int = DEFAULT_MAX_CHARS  # output and every value a template builds, per render
 
@@ -199,6 +239,9 @@ class FormatConfig:
         if "assistant" not in self.roles:
             raise ValueError("FormatConfig.roles must include 'assistant' (the turns that carry loss)")
         object.__setattr__(self, "roles", tuple(self.roles))
+        if isinstance(self.ignore_fields, str):
+            object.__setattr__(self, "ignore_fields", tuple(f for f in self.ignore_fields.split(",") if f))
+        object.__setattr__(self, "ignore_fields", tuple(self.ignore_fields))
         if not self.template_max_seconds > 0 or self.template_max_chars < 1:
             raise ValueError(f"FormatConfig.template_max_seconds must be > 0 and template_max_chars >= 1, got "
                              f"{self.template_max_seconds!r}, {self.template_max_chars!r}")
@@ -259,6 +302,7 @@ class Formatter:
         self.turn_end = self._resolve_turn_end() if config.kind != "text" else None
         self._passthrough = config.kind != "text" and content_passthrough(config.chat_template)
         self.stats = {"n_truncated": 0, "n_truncated_tokens": 0}
+        self._lead = None  # what the template writes before a tool call's name (_call_lead), once read
 
     @property
     def n_truncated(self) -> int:
@@ -298,50 +342,72 @@ class Formatter:
 
     # -- record -> (text, assistant spans) ------------------------------------------------------
     def _messages(self, rec: dict, where: str, report: SkipReport):
+        """``(messages, tools or None, leading context messages)`` of a chat / instruction record, or None
+        (reported)."""
         c = self.cfg
-        if c.kind == "instruction":
-            msgs = []
-            for f in ([c.system_field] if c.system_field else []) + [c.prompt_field, c.response_field]:
-                if f not in rec:
-                    report.add("missing_field", where, f"field {f!r} not in record")
-                    return None
-                if not isinstance(rec[f], str):  # named here: below it would be "message j"
-                    report.add("bad_field", where, f"field {f!r} is {type(rec[f]).__name__}, not a string")
-                    return None
-            if c.system_field:
-                msgs.append({"role": "system", "content": rec[c.system_field]})
-            msgs += [{"role": "user", "content": rec[c.prompt_field]},
-                     {"role": "assistant", "content": rec[c.response_field]}]
-        else:
-            try:  # the messages field, or ShareGPT's conversations (from/value turns)
-                field, msgs = chat_turns(rec, c.messages_field)
-            except KeyError:
-                report.add("missing_field", where, f"field {c.messages_field!r} not in record")
-                return None
+        try:  # the record's layout (ftlib.data.layouts): messages, ShareGPT, TRL prompt/completion, Alpaca
+            field, msgs, read, n_context = record_messages(rec, c)
+        except KeyError as e:
+            report.add("missing_field", where, f"field {e.args[0]!r} not in record")
+            return None
+        except ValueError as e:
+            report.add("bad_field", where, str(e))
+            return None
+        tools = rec.get(c.tools_field)
+        read = read | {c.tools_field}
+        unread = unread_fields(rec, read, c.ignore_fields)
+        if unread:
+            report.add_unread(where, unread)
+        if isinstance(tools, str):  # some datasets keep the tool list as JSON text
+            try:
+                tools = json.loads(tools) if tools.strip() else None
             except ValueError as e:
-                report.add("bad_field", where, str(e))
+                report.add("bad_field", where, f"field {c.tools_field!r} is text but not JSON ({e})")
                 return None
-            if not isinstance(msgs, list) or not msgs:
-                report.add("bad_field", where, f"field {field!r} must be a non-empty list")
-                return None
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            report.add("bad_field", where, f"field {c.tools_field!r} must be a list of tool (function) objects")
+            return None
+        if not isinstance(msgs, list) or not msgs:
+            report.add("bad_field", where, f"field {field!r} must be a non-empty list")
+            return None
+        out = []
         for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                report.add("bad_field", where, f"message {j} needs string 'role' and 'content'")
+                return None
+            calls = m.get("tool_calls")
+            if m["role"] == "assistant" and calls is not None:
+                if not isinstance(calls, list) or not all(isinstance(k, dict) and isinstance(_call_name(k), str)
+                                                          and _call_name(k) for k in calls):
+                    report.add("bad_field", where, f"message {j}: 'tool_calls' must be a list of calls, each with "
+                               "a function name ({'function': {'name', 'arguments'}} or {'name', 'arguments'})")
+                    return None
+                if not calls:  # an empty list: no call, an ordinary turn
+                    m = {k: v for k, v in m.items() if k != "tool_calls"}
+                elif m.get("content") is None:  # a call without text: content "" (templates test it)
+                    m = {**m, "content": ""}
+            if not isinstance(m.get("content"), str):
                 report.add("bad_field", where, f"message {j} needs string 'role' and 'content'")
                 return None
             if m["role"] not in c.roles:
                 report.add("unknown_role", where, f"message {j} has role {m['role']!r}, not one of "
                            f"{', '.join(c.roles)} (FormatConfig.roles)")
                 return None
-            if any(x in m["content"] for x in _RESERVED):
-                report.add("bad_field", where, f"message {j} contains reserved code points U+E000..U+E003")
+            if any(x in m["content"] for x in _RESERVED) or any(x in _call_name(k) for k in m.get("tool_calls", ())
+                                                                for x in _RESERVED):
+                report.add("bad_field", where, f"message {j} contains reserved code points U+E000..U+E005")
                 return None
-        if all(not m["content"].strip() for m in msgs):
+            out.append(m)
+        msgs = out
+        if all(not m["content"].strip() and not m.get("tool_calls") for m in msgs):
             report.add("empty_document", where, "all message contents are empty")
             return None
         if c.loss_on == "assistant":
             # only the turn end would carry loss there: the model would learn to answer with nothing
-            empty = [j for j, m in enumerate(msgs) if m["role"] == "assistant" and not m["content"].strip()]
-            n_answers = sum(m["role"] == "assistant" for m in msgs)
+            # (a turn that calls a tool is not empty: the call is what it says)
+            empty = [j for j, m in enumerate(msgs) if j >= n_context and m["role"] == "assistant"
+                     and not m["content"].strip() and not m.get("tool_calls")]
+            n_answers = sum(m["role"] == "assistant" for m in msgs[n_context:])
             if empty and len(empty) == n_answers:
                 report.add("empty_response", where, "every assistant turn is empty")
                 return None
@@ -349,55 +415,154 @@ class Formatter:
                 report.add("empty_response", where, f"assistant message {empty[0]} is empty (of {n_answers} "
                            "assistant turns); it would train the model to stop at once")
                 return None
-        return msgs
+        return msgs, tools, n_context
 
-    def _render(self, msgs: list[dict]) -> tuple[str, list[tuple[int, int]], int]:
-        """(text, assistant spans, tool / function contents the text shows) of a conversation."""
+    def _call_lead(self) -> str:
+        """What the template writes from an assistant turn's start to a tool call's function name, read
+        from a probe conversation (see the module docstring); '' when the template shows no call."""
+        if self._lead is None:
+            name = "\ue014"
+            call = {"id": "a1b2c3d4e", "type": "function", "function": {"name": name, "arguments": {}}}
+            probe = [{"role": "user", "content": "\ue010"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "content": "\ue015", "tool_call_id": "a1b2c3d4e", "name": name},
+                     {"role": "assistant", "content": "\ue011"}, {"role": "user", "content": "\ue012"},
+                     {"role": "assistant", "content": "\ue013"}]
+            kw = self._kw()
+            self._lead = ""
+            try:
+                text = render_chat(probe, self.cfg.chat_template, **kw)
+                plain = render_chat([{"role": r, "content": x} for r, x in _PROBE], self.cfg.chat_template, **kw)
+            except Exception:  # a template without tool calls: the records say so (unsupported_role)
+                return self._lead
+            u, n = text.find("\ue010"), text.find(name)
+            a, h = plain.find("\ue010"), plain.find("\ue011")
+            if 0 <= u < n and 0 <= a < h:
+                lead = text[u + 1 : n]
+                self._lead = lead[len(os.path.commonprefix([lead, plain[a + 1 : h]])) :]
+            if not self._lead:
+                warnings.warn("chat template: what it writes before a tool call's function name could not be read "
+                              "from a probe conversation; a call's loss starts where the record's rendering shares "
+                              "no text with it (at the name, at worst)", stacklevel=4)
+        return self._lead
+
+    def _kw(self) -> dict:
         c = self.cfg
-        kw = {"bos_token": self.bos_text or "", "eos_token": self.eos_text or "", "add_generation_prompt": False,
-              "max_seconds": c.template_max_seconds, "max_chars": c.template_max_chars}
+        return {"bos_token": self.bos_text or "", "eos_token": self.eos_text or "", "add_generation_prompt": False,
+                "max_seconds": c.template_max_seconds, "max_chars": c.template_max_chars}
+
+    def _render(self, msgs: list[dict], tools=None, n_context: int = 0) -> tuple[str, list[tuple[int, int]], int]:
+        """(text, assistant spans, tool / function contents the text shows) of a conversation whose first
+        ``n_context`` messages carry no loss whatever their role."""
+        c = self.cfg
+        kw = self._kw()
+        if tools is not None:
+            kw["tools"] = tools
+        has_calls = any(m.get("tool_calls") for m in msgs)
         # a template that only writes each message's content as is ({{ m['content'] }}, never testing or
         # transforming it: ftlib._jinja.content_passthrough) renders the marked conversation exactly as the plain
-        # one plus the sentinels: one render instead of two
-        plain = None if self._passthrough else render_chat(msgs, c.chat_template, **kw)
+        # one plus the sentinels: one render instead of two (not with tool calls: their names are marked too)
+        fast = self._passthrough and not has_calls
+        plain = None if fast else render_chat(msgs, c.chat_template, **kw)
         # a template that trims content sees the sentinels instead of the whitespace: then the content goes in
         # stripped (assistant turns, tool results, or both, as the template trims them)
         for strip_a, strip_t in ((False, False), (True, False), (False, True), (True, True)):
             marked = []
-            for m in msgs:
-                if m["role"] == "assistant":
-                    m = {**m, "content": _S0 + (m["content"].strip() if strip_a else m["content"]) + _S1}
+            for j, m in enumerate(msgs):
+                if m["role"] == "assistant" and j >= n_context:
+                    content = m["content"].strip() if strip_a else m["content"]
+                    # an empty content stays empty (a template tests it: "if message.content")
+                    m = {**m, "content": _S0 + content + _S1 if content or not m.get("tool_calls") else content}
+                    if m.get("tool_calls"):
+                        m["tool_calls"] = [_mark_call(k) for k in m["tool_calls"]]
                 elif m["role"] in _TOOL_ROLES:
                     m = {**m, "content": _T0 + (m["content"].strip() if strip_t else m["content"]) + _T1}
                 marked.append(m)
             text = render_chat(marked, c.chat_template, **kw)
-            # strip the sentinels, recording the [start, end) of each wrapped assistant content
+            # strip the sentinels, recording where each one was in the plain text
             parts = _SENTINELS.split(text)
             seps = _SENTINELS.findall(text)
-            spans, out, pos, start = [], [parts[0]], len(parts[0]), 0
+            out, pos, events = [parts[0]], len(parts[0]), []
             for sep, part in zip(seps, parts[1:]):
-                if sep == _S0:
-                    start = pos
-                elif sep == _S1:
-                    spans.append((start, pos))
+                events.append((sep, pos))
                 out.append(part)
                 pos += len(part)
-            assistant = [x for x in seps if x in (_S0, _S1)]
+            stripped = "".join(out)
             if plain is None:
-                plain = "".join(out)
-                if assistant == [_S0, _S1] * len(spans):
-                    break
-                plain = render_chat(msgs, c.chat_template, **kw)  # not reached for such a template; checked anyway
-            if "".join(out) == plain and assistant == [_S0, _S1] * len(spans):
+                plain = stripped
+                if not fast:
+                    plain = render_chat(msgs, c.chat_template, **kw)  # not reached for such a template
+            if stripped != plain:
+                continue
+            spans = self._turn_spans(msgs, events, plain, n_context)
+            if spans is not None:
                 break
         else:
             raise ValueError(
                 "chat template transforms message content in a way that hides assistant spans "
                 "(rendering with marked content differs from the plain rendering)"
             )
-        if self.turn_end:
-            spans = [(s, e + len(self.turn_end)) if plain.startswith(self.turn_end, e) else (s, e) for s, e in spans]
         return plain, spans, seps.count(_T0)
+
+    def _turn_spans(self, msgs, events, plain, n_context: int = 0) -> list[tuple[int, int]] | None:
+        """The loss spans of the assistant turns from the sentinel positions ``events`` (in text order, the
+        messages' order); None when they do not pair up as the messages say (another strip setting may).
+
+        An ordinary turn: its content, extended over the turn end that follows it. A turn with tool calls:
+        from the first character the model writes (its content if the template shows it, else the call's
+        lead: what the template writes between the assistant header and the first call's function name,
+        ``_call_lead``) through the last call and the turn end after it: the call, its arguments and the
+        turn end. ``ValueError`` when a template does not show a call, or shows no turn end after it."""
+        te = self.turn_end
+        spans, k, floor = [], 0, 0  # floor: the end of the previous message's marks
+        for j, m in enumerate(msgs):
+            role = m["role"]
+            if role in _TOOL_ROLES:
+                if k + 1 < len(events) and events[k][0] == _T0 and events[k + 1][0] == _T1:
+                    floor = events[k + 1][1]
+                    k += 2
+                continue
+            if role != "assistant" or j < n_context:
+                continue
+            content = None
+            if k + 1 < len(events) and events[k][0] == _S0 and events[k + 1][0] == _S1:
+                content = (events[k][1], events[k + 1][1])
+                k += 2
+            elif not m.get("tool_calls"):
+                continue  # a turn the template does not show: nothing to train on there
+            calls = m.get("tool_calls") or []
+            names = []
+            for _ in calls:
+                if k + 1 < len(events) and events[k][0] == _C0 and events[k + 1][0] == _C1:
+                    names.append((events[k][1], events[k + 1][1]))
+                    k += 2
+            if len(names) != len(calls):
+                raise ValueError(f"the chat template shows {len(names)} of the {len(calls)} tool calls of an "
+                                 "assistant turn (it does not render 'tool_calls')")
+            if not calls:
+                s, e = content
+                if te and plain.startswith(te, e):
+                    e += len(te)
+                spans.append((s, e))
+                floor = e
+                continue
+            first, last = names[0][0], names[-1][1]
+            lead = self._call_lead()
+            start = first - len(lead)
+            if not lead or start < floor or plain[start:first] != lead:  # the lead's longest tail written here
+                before = plain[floor:first]
+                start = first - len(os.path.commonprefix([before[::-1], lead[::-1]]))
+            if content is not None:
+                start = min(start, content[0])
+            end = plain.find(te, last) if te else -1
+            nxt = events[k][1] if k < len(events) else len(plain) + 1
+            if end < 0 or end >= nxt:
+                raise ValueError(f"no turn end ({te!r}) after the tool call of an assistant turn: the end of the "
+                                 "call cannot be found (pass FormatConfig(turn_end=...) / --turn-end)")
+            spans.append((start, end + len(te)))
+            floor = end + len(te)
+        if k != sum(1 for x in events if x[0] in (_S0, _S1, _C0, _C1, _T0, _T1)):
+            return None
+        return spans
 
     # -- public --------------------------------------------------------------------------------
     def __call__(self, rec: dict, where: str, report: SkipReport) -> FormattedDoc | None:
@@ -444,11 +609,12 @@ class Formatter:
 
     def _prepare(self, rec: dict, where: str, report: SkipReport) -> tuple[str, list[tuple[int, int]]] | None:
         """A chat record's (text, assistant spans), or None (reported)."""
-        msgs = self._messages(rec, where, report)
-        if msgs is None:
+        got = self._messages(rec, where, report)
+        if got is None:
             return None
+        msgs, tool_list, n_context = got
         try:
-            text, spans, shown = self._render(msgs)
+            text, spans, shown = self._render(msgs, tool_list, n_context)
         except Exception as e:  # template errors name the record, and say why
             report.add("template_error", where, _reason(e))
             return None

@@ -43,6 +43,14 @@ on resume) would shift every later dropout mask of the run.
 A dataset with fewer units than one global step is refused with ``drop_last=True`` (every
 epoch would be empty).
 
+Mixtures. With ``groups`` (the source of each unit) and ``weights`` (one per source), epoch e's
+units are drawn by weight before they are ordered (``ftlib.data.mixture``: as many units as all
+sources hold, source i's share of the epoch's tokens ``w_i``, its units subsampled or repeated), from the same
+``[seed, e]`` generator, so every rank slices the same global steps and a resume is exact; the
+weights and the units per source join the identity a resume checks. ``mix(epoch)`` is the realised
+mix: units and tokens per source. ``TokenLoader`` packs each source on its own (a row never
+mixes sources) when given ``weights`` over a ``MixedDocs``.
+
 Resume. ``state_dict()`` is ``{epoch, step}`` plus the settings that define the order and the
 data's identity (for tokens: units, tokens and a SHA-256 of the document lengths in order, so
 reordered or swapped documents are refused, not only a changed total); ``step`` counts batches
@@ -62,7 +70,8 @@ import torch
 
 from .._dist import get_rank, get_world_size
 from .collate import length_grouped_batches, pad_collate
-from .packing import collate_packed, pack
+from .mixture import draw_mixture, mixture_counts
+from .packing import PackPlan, PackStats, collate_packed, pack
 
 __all__ = ["TokenLoader", "UnitLoader", "lengths_sha256"]
 
@@ -113,7 +122,8 @@ class UnitLoader:
                  rank: int | None = None, world_size: int | None = None, drop_last: bool = True,
                  group_by_length: bool = False, mega_batch_mult: int = 50, num_workers: int = 0,
                  pin_memory: bool = False, prefetch_factor: int | None = 2, multiprocessing_context=None,
-                 identity: dict | None = None, what: str = "units"):
+                 identity: dict | None = None, what: str = "units", groups=None, weights=None,
+                 group_names=None):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if group_by_length and not shuffle:
@@ -132,6 +142,23 @@ class UnitLoader:
         self.num_workers, self.pin_memory, self.prefetch_factor = num_workers, pin_memory, prefetch_factor
         self.multiprocessing_context = multiprocessing_context
         self._front_identity = dict(identity or {})
+        self.groups = self.weights = None
+        if weights is not None:
+            self.groups = np.asarray(groups, np.int64)
+            self.weights = [float(w) for w in weights]
+            if len(self.groups) != self.n_units or len(self.weights) < 1 or (
+                    len(self.groups) and not 0 <= self.groups.min() <= self.groups.max() < len(self.weights)):
+                raise ValueError(f"groups must give a source in [0, {len(self.weights)}) for each of the "
+                                 f"{self.n_units} {what}")
+            if not all(w > 0 for w in self.weights):
+                raise ValueError(f"mixture weights must be > 0, got {self.weights}")
+            self.group_names = list(group_names) if group_names is not None else [str(i) for i in
+                                                                                  range(len(self.weights))]
+            self.group_units = np.bincount(self.groups, minlength=len(self.weights))
+            empty = [self.group_names[i] for i, n in enumerate(self.group_units) if n == 0]
+            if empty:
+                raise ValueError(f"mixture source(s) {', '.join(empty)} hold no {what}")
+            self._front_identity.update(mixture_weights=self.weights, mixture_units=self.group_units.tolist())
         G = batch_size * self.world_size
         if drop_last and self.n_units < G:  # every epoch would be empty: refuse rather than train on nothing
             raise ValueError(f"{self.n_units} {what} < one global batch of {G} (batch_size {batch_size} x "
@@ -141,14 +168,29 @@ class UnitLoader:
         self._steps_cache: tuple[int, list] | None = None
 
     # -- order ------------------------------------------------------------------------------------
+    def _epoch_units(self, epoch: int, rng) -> np.ndarray | None:
+        """The units of a mixture's epoch, drawn by weight (None: every unit once)."""
+        if self.weights is None:
+            return None
+        if not hasattr(self, "_mix_counts"):  # the weights are shares of tokens: units by each source's mean size
+            mean = (np.bincount(self.groups, weights=self.unit_lengths, minlength=len(self.weights))
+                    / np.maximum(self.group_units, 1))
+            self._mix_counts = mixture_counts(np.asarray(self.weights) / np.maximum(mean, 1e-9), self.n_units)
+        return draw_mixture(rng, self.groups, self._mix_counts)
+
     def _global_steps(self, epoch: int) -> list[np.ndarray]:
         rng = np.random.default_rng([self.seed, epoch])
         G = self.batch_size * self.world_size
+        units = self._epoch_units(epoch, rng)
         if self.group_by_length:
-            steps = length_grouped_batches(self.unit_lengths, G, rng, self.mega_batch_mult)
+            lengths = self.unit_lengths if units is None else self.unit_lengths[units]
+            steps = length_grouped_batches(lengths, G, rng, self.mega_batch_mult)
+            if units is not None:
+                steps = [units[s] for s in steps]
         else:
-            order = rng.permutation(self.n_units) if self.shuffle else np.arange(self.n_units)
-            steps = [order[i : i + G] for i in range(0, self.n_units, G)]
+            n = self.n_units if units is None else len(units)
+            order = units if units is not None else rng.permutation(n) if self.shuffle else np.arange(n)
+            steps = [order[i : i + G] for i in range(0, n, G)]
         if self.drop_last:
             steps = [s for s in steps if len(s) == G]
         return steps
@@ -176,6 +218,23 @@ class UnitLoader:
 
     def __len__(self) -> int:
         return len(self.rank_steps())
+
+    def mix(self, epoch: int | None = None) -> dict | None:
+        """The realised mix of ``epoch`` (default: the current one) over every rank's batches:
+        ``{source: {"weight", "units", "tokens", "share"}}`` (share: of the epoch's tokens), or None
+        without ``weights``."""
+        if self.weights is None:
+            return None
+        steps = self._global_steps(self.epoch if epoch is None else epoch)
+        units = np.concatenate(steps) if steps else np.zeros(0, np.int64)
+        g = self.groups[units]
+        tok = np.bincount(g, weights=self.unit_lengths[units], minlength=len(self.weights))
+        n = np.bincount(g, minlength=len(self.weights))
+        total = max(1.0, float(tok.sum()))
+        wsum = sum(self.weights)
+        return {name: {"weight": round(w / wsum, 6), "units": int(n[i]), "tokens": int(tok[i]),
+                       "share": round(float(tok[i]) / total, 6)}
+                for i, (name, w) in enumerate(zip(self.group_names, self.weights))}
 
     # -- state ------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -233,6 +292,30 @@ def _token_batch(docs, plan, opts, units, real):
                        max_length=opts["max_length"], padding_side=opts["padding_side"])
 
 
+def _pack_by_source(lengths, sources, seq_len, overflow, backend, n_sources=0) -> tuple[PackPlan, np.ndarray | None]:
+    """``pack`` of all documents (``sources`` None), or of each source's documents on its own, the rows laid
+    end to end: (plan, source of each row or None)."""
+    if sources is None:
+        return pack(lengths, seq_len, overflow, backend), None
+    plans, ids = [], []
+    for s in range(n_sources):
+        idx = np.flatnonzero(sources == s)
+        plans.append(pack(lengths[idx], seq_len, overflow, backend))
+        ids.append(idx)
+    ptr = [np.zeros(1, np.int64)]
+    for p in plans:
+        ptr.append(p.row_ptr[1:] + ptr[-1][-1])
+    st = [p.stats for p in plans]
+    n_rows, n_tok = sum(x.n_rows for x in st), sum(x.n_tokens for x in st)
+    stats = PackStats(n_docs=sum(x.n_docs for x in st), n_rows=n_rows, n_tokens=n_tok,
+                      fill_ratio=n_tok / (n_rows * seq_len) if n_rows else 1.0,
+                      n_split_docs=sum(x.n_split_docs for x in st), n_truncated_docs=sum(x.n_truncated_docs for x in st),
+                      n_truncated_tokens=sum(x.n_truncated_tokens for x in st))
+    plan = PackPlan(seq_len, np.concatenate(ptr), np.concatenate([i[p.doc] for i, p in zip(ids, plans)]),
+                    np.concatenate([p.start for p in plans]), np.concatenate([p.length for p in plans]), stats)
+    return plan, np.repeat(np.arange(len(plans)), [p.n_rows for p in plans])
+
+
 class TokenLoader(UnitLoader):
     """Iterable of token batches over a token cache: the ``UnitLoader`` front for documents.
 
@@ -247,7 +330,7 @@ class TokenLoader(UnitLoader):
                  pin_memory: bool = False, prefetch_factor: int | None = 2, group_by_length: bool = False,
                  mega_batch_mult: int = 50, pad_to_multiple_of: int | None = None,
                  max_length: int | None = None, padding_side: str = "right", pack_backend: str | None = None,
-                 multiprocessing_context=None):
+                 multiprocessing_context=None, weights=None):
         if packing and not seq_len:
             raise ValueError("packing=True needs seq_len")
         if packing and group_by_length:
@@ -261,7 +344,19 @@ class TokenLoader(UnitLoader):
             raise ValueError(f"{len(over)} documents exceed max_length={max_length} (first: document {int(over[0])}, "
                              f"{int(self.lengths[over[0]])} tokens); truncate them when formatting "
                              "(FormatConfig.max_length)")
-        self.plan = pack(self.lengths, seq_len, overflow, pack_backend) if packing else None
+        sources = None
+        if weights is not None:  # a mixture: the source of each document (MixedDocs, or a subset of one)
+            sources = getattr(docs, "source_ids", None)
+            if sources is None:
+                raise ValueError("weights need docs that name each document's source (ftlib.data.MixedDocs)")
+            sources = np.asarray(sources, np.int64)
+            if len(weights) != len(getattr(docs, "source_names", weights)):
+                raise ValueError(f"{len(weights)} weights for {len(docs.source_names)} sources")
+        self.plan = None
+        groups = sources
+        if packing:
+            self.plan, groups = _pack_by_source(self.lengths, sources, seq_len, overflow, pack_backend,
+                                                len(weights or ()))
         unit_lengths = self.lengths
         if packing:
             unit_lengths = (np.add.reduceat(self.plan.length, self.plan.row_ptr[:-1]) if self.plan.n_rows
@@ -273,7 +368,8 @@ class TokenLoader(UnitLoader):
                          drop_last=drop_last, group_by_length=group_by_length, mega_batch_mult=mega_batch_mult,
                          num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
                          multiprocessing_context=multiprocessing_context, identity=identity,
-                         what="packed rows" if packing else "documents")
+                         what="packed rows" if packing else "documents", groups=groups, weights=weights,
+                         group_names=getattr(docs, "source_names", None))
 
     @property
     def pack_stats(self):

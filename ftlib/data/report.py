@@ -42,6 +42,7 @@ class SkipReport:
     unknown: dict[str, int] = field(default_factory=dict)  # reason -> events that lost an unknown number
     notes: dict[str, int] = field(default_factory=dict)  # reason -> events that lost no record (empty files)
     examples: dict[str, list[str]] = field(default_factory=dict)
+    unread: dict[str, list] = field(default_factory=dict)  # field -> [records, first location]
 
     def add(self, reason: str, location: str, detail: str = "", n: int | None = 1) -> None:
         """Record one skip that lost ``n`` records (``None``: an unknown number; 0: none, a note)."""
@@ -57,6 +58,21 @@ class SkipReport:
         ex = self.examples.setdefault(reason, [])
         if len(ex) < self.keep:
             ex.append(msg)
+
+    def add_unread(self, location: str, fields) -> None:
+        """Count record fields the format did not read (never raises; see the module docstring)."""
+        for f in fields:
+            u = self.unread.setdefault(f, [0, location])
+            u[0] += 1
+
+    def unread_text(self) -> str:
+        """One line naming the unread fields, or ''."""
+        if not self.unread:
+            return ""
+        names = sorted(self.unread)
+        parts = [f"{f!r} in {self.unread[f][0]} record(s), first at {self.unread[f][1]}" for f in names]
+        return (f"fields the format does not read, left out of training: {'; '.join(parts)} (map them into the "
+                f"record's layout, or --ignore-fields {','.join(names)} to silence this)")
 
     @property
     def total(self) -> int:
@@ -81,12 +97,22 @@ class SkipReport:
         for reason, ex in d.get("examples", {}).items():
             mine = self.examples.setdefault(reason, [])
             mine.extend(ex[: max(0, self.keep - len(mine))])
+        for f, (n, where) in d.get("unread", {}).items():
+            u = self.unread.setdefault(f, [0, where])
+            u[0] += n
 
     def to_dict(self) -> dict[str, Any]:
         return {"counts": dict(self.counts), "unknown": dict(self.unknown), "notes": dict(self.notes),
-                "examples": {k: list(v) for k, v in self.examples.items()}}
+                "examples": {k: list(v) for k, v in self.examples.items()},
+                "unread": {k: list(v) for k, v in self.unread.items()}}
 
     def __str__(self) -> str:
+        unread = self.unread_text()
+        if unread:
+            return self._skips() + "\n" + unread
+        return self._skips()
+
+    def _skips(self) -> str:
         if not self:
             return "no records skipped"
         head = f"{self.total} records skipped"

@@ -62,7 +62,12 @@ be read to its end; missing fields and empty documents are found by the formatte
 counted with the number of records it cost — known for a bad record, a refused member (its
 records are counted, not read as data) or a corrupt Parquet file (its footer gives the row
 count); unknown for a gzip, tar or JSON stream cut short, where the report states how many
-records were read before the cut. Nothing is dropped silently.
+records were read before the cut. Nothing is dropped silently. A record holding a lone UTF-16
+surrogate (``"\ud800"``: no UTF-8 for it, the tokenizer would fail on its whole batch) is an
+``invalid_unicode`` skip, JSON nested past Python's recursion limit a ``malformed_json`` one (in a
+``.json`` document as a cut: where it ends is unknown), and any other exception a record raises
+while it is formatted or encoded a ``format_error`` (``ftlib.data.cache`` formats that chunk record
+by record to find it): each at its file:line, the other records kept.
 
 Fingerprint. :func:`shard_fingerprint` is the shard's size plus a SHA-256 over its first and
 last MiB and 16 evenly spaced 64 KiB blocks. It costs ~3 MiB of reads per shard whatever the
@@ -392,6 +397,30 @@ def shard_fingerprint(path: str, full_hash: bool = False) -> str:
 # a whole text document) or "record" (an already-decoded dict: a Parquet row, a JSON document).
 RawItem = tuple[Any, str, str]
 _WS = re.compile(r"[ \t\n\r]*")
+# a JSON escape of a UTF-16 surrogate: only text holding one can decode to a lone surrogate (a valid pair
+# decodes to one code point)
+_SURROGATE_ESCAPE = re.compile(r"\\[uU][dD][89a-fA-F]")
+_SURROGATE_ESCAPE_B = re.compile(rb"\\[uU][dD][89a-fA-F]")
+
+
+def _lone_surrogate(obj, path: str = "") -> str | None:
+    """Where in a decoded record a string holds a lone surrogate (no UTF-8 for it: the tokenizer would
+    fail on the whole batch), e.g. ``field 'messages'[1]['content'] (U+D800)``; None when nowhere.
+    Iterative, so a deeply nested record cannot overflow the stack."""
+    stack = [(obj, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return f"field {p} (U+{ord(v[e.start]):04X} at character {e.start})"
+        elif isinstance(v, dict):
+            stack.extend((x, f"{p}[{k!r}]" if p else repr(k)) for k, x in v.items())
+            stack.extend((k, f"{p} key") for k in v if isinstance(k, str))
+        elif isinstance(v, list):
+            stack.extend((x, f"{p}[{i}]") for i, x in enumerate(v))
+    return None
 
 
 def _mib(n: int) -> str:
@@ -442,6 +471,7 @@ def _iter_json(data: bytes, where: str, report: SkipReport) -> Iterator[RawItem]
         return
     dec = json.JSONDecoder()
     line, line_pos = 1, 0
+    surrogates = _SURROGATE_ESCAPE.search(text) is not None
 
     def at(pos):  # "where:line" of a character position (positions only move forward)
         nonlocal line, line_pos
@@ -470,8 +500,14 @@ def _iter_json(data: bytes, where: str, report: SkipReport) -> Iterator[RawItem]
         except json.JSONDecodeError as e:
             cut(e.pos, f"{e.msg} at column {e.colno}")
             return
+        except RecursionError:  # where it ends is unknown: as a cut
+            cut(pos, "JSON nested too deep to parse (a value inside arrays/objects thousands of levels deep)")
+            return
         loc = at(pos)
-        if isinstance(obj, dict):
+        bad = _lone_surrogate(obj) if isinstance(obj, dict) and surrogates else None
+        if bad:
+            report.add("invalid_unicode", loc, f"a lone UTF-16 surrogate in {bad}: not text")
+        elif isinstance(obj, dict):
             n_read += 1
             yield obj, loc, "record"
         else:
@@ -488,14 +524,20 @@ def _iter_json(data: bytes, where: str, report: SkipReport) -> Iterator[RawItem]
 
 
 def item_nbytes(obj) -> int:
-    """Size of a raw item's payload: bytes as is, a decoded record by its strings (8 per other value)."""
-    if isinstance(obj, (bytes, str)):
-        return len(obj)
-    if isinstance(obj, dict):
-        return sum(item_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(item_nbytes(v) for v in obj)
-    return 8
+    """Size of a raw item's payload: bytes as is, a decoded record by its strings (8 per other value).
+    Iterative: a deeply nested record cannot overflow the stack."""
+    n, stack = 0, [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (bytes, str)):
+            n += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        else:
+            n += 8
+    return n
 
 
 def _iter_parquet(source, where: str, report: SkipReport, limits: ReadLimits) -> Iterator[RawItem]:
@@ -626,6 +668,9 @@ class _Sample:
                 except json.JSONDecodeError as e:
                     report.add("malformed_json", f"{where} ({name}:{e.lineno})", f"{e.msg} at column {e.colno}")
                     return
+                except RecursionError:
+                    report.add("malformed_json", f"{where} ({name})", "nested too deep to parse")
+                    return
                 if not isinstance(fields, dict):
                     report.add("malformed_json", f"{where} ({name})",
                                f"a sample's .json must be one object, got {type(fields).__name__}")
@@ -730,9 +775,17 @@ def decode_item(item: RawItem, report: SkipReport) -> dict | None:
     except json.JSONDecodeError as e:
         report.add("malformed_json", where, f"{e.msg} at column {e.colno}")
         return None
+    except RecursionError:
+        report.add("malformed_json", where, "nested too deep to parse (arrays/objects thousands of levels deep)")
+        return None
     if not isinstance(rec, dict):
         report.add("malformed_json", where, f"expected a JSON object, got {type(rec).__name__}")
         return None
+    if _SURROGATE_ESCAPE_B.search(payload):
+        bad = _lone_surrogate(rec)
+        if bad:
+            report.add("invalid_unicode", where, f"a lone UTF-16 surrogate in {bad}: not text")
+            return None
     return rec
 
 

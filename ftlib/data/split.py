@@ -29,6 +29,9 @@ class DocSubset:
         if self.indices.ndim != 1 or (len(self.indices) and (self.indices.min() < 0 or self.indices.max() >= n)):
             raise ValueError(f"DocSubset: indices must be a 1-D array of document ids in [0, {n})")
         self.lengths = np.asarray(docs.lengths, dtype=np.int64)[self.indices]
+        if hasattr(docs, "source_ids"):  # a mixture's documents keep their source (ftlib.data.mixture)
+            self.source_ids = np.asarray(docs.source_ids, np.int64)[self.indices]
+            self.source_names = docs.source_names
 
     def __len__(self) -> int:
         return len(self.indices)

@@ -63,7 +63,9 @@ def add_data_flags(p: argparse.ArgumentParser, *, kinds: tuple[str, ...] = ("cha
     --kind values the script reads)."""
     g = p.add_argument_group("data")
     g.add_argument("--data", nargs="+",
-                   help="JSONL/Parquet/text files, folders, tar shards, or one cache built by python -m ftlib.data build")
+                   help="JSONL/Parquet/text files, folders, tar shards, or one cache built by python -m ftlib.data build; "
+                        "PATH:WEIGHT for each makes a weighted mixture (a.jsonl:0.7 b/:0.3: each source its own "
+                        "cache, sampled by weight every epoch; a config file: data: [a.jsonl:0.7, b/:0.3])")
     g.add_argument("--eval-data", nargs="+", help="held-out files/folders or cache (same kinds as --data)")
     g.add_argument("--eval-split", type=float, default=0.0,
                    help="without --eval-data: hold out this fraction of the training documents")
