@@ -302,6 +302,9 @@ class Formatter:
         self.turn_end = self._resolve_turn_end() if config.kind != "text" else None
         self._passthrough = config.kind != "text" and content_passthrough(config.chat_template)
         self.stats = {"n_truncated": 0, "n_truncated_tokens": 0}
+        if "FTLIB_BPE_BACKEND" in os.environ:  # the C++ encoder it chose is gone: say so, never ignore it
+            warnings.warn("FTLIB_BPE_BACKEND is no longer read: ftlib encodes data with the tokenizer of record "
+                          "(tokenizers) only; unset it", stacklevel=2)
         self._lead = None  # what the template writes before a tool call's name (_call_lead), once read
 
     @property

@@ -103,3 +103,12 @@ def test_build_of_one_megabyte_word_finishes_with_tokenizers_ids(tmp_path, token
     word = "".join(rng.choice(parts, 1 << 19).tolist())[: 1 << 20]
     cache = _build(tmp_path, tokenizer, [word, "a short one"], tmp_path / "ftlib-cache", timeout=120)
     _assert_tokenizers_ids(cache, tokenizer, [word, "a short one"])
+
+
+def test_the_removed_encoder_switch_is_reported_not_ignored(monkeypatch):
+    from ftlib.data import FormatConfig, Formatter
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    monkeypatch.setenv("FTLIB_BPE_BACKEND", "cpp")
+    with pytest.warns(UserWarning, match="FTLIB_BPE_BACKEND is no longer read"):
+        Formatter(tok, FormatConfig(kind="text", add_eos=False))
