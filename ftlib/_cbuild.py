@@ -38,7 +38,7 @@ import shutil
 import subprocess
 import warnings
 
-__all__ = ["PARALLEL_MIN", "CppBuildWarning", "cache_root", "csrc_path", "kernel_threads", "load_library",
+__all__ = ["CppBuildWarning", "PARALLEL_MIN", "cache_root", "csrc_path", "kernel_threads", "load_library",
            "loaded_openmp_runtime", "tensor_ptr"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
