@@ -19,6 +19,10 @@ Calls with a ``key_padding_mask`` (padded batches with holes, KV-cache decoding)
 (or to the reference when ``torch`` is forced): neither fused kernel takes a dense padding mask,
 and packed batches use ``cu_seqlens`` instead. A forced backend must still be available, so a
 misconfiguration is caught early.
+
+``sliding_window`` and ``softcap`` (Mistral / Gemma; semantics in ``attention_ref``) go to
+flash-attn as ``window_size=(W - 1, 0)`` and ``softcap``; the Triton kernel has no variant for
+them, so under ``auto`` such calls take flash-attn or SDPA, and forcing ``triton`` for one raises.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import os
 
 import torch
 
-from .attention_ref import attention_ref, check_cu_seqlens_dtype
+from .attention_ref import attention_ref, check_cu_seqlens_dtype, check_window_softcap
 from .attention_sdpa import attention_sdpa
 
 __all__ = ["attention", "attention_backend"]
@@ -65,7 +69,7 @@ def _unsupported(backend: str, is_cuda: bool, dtype: torch.dtype, head_dim: int,
 
 
 def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, head_dim: int, masked: bool,
-            have_flash: bool, have_triton: bool, interpret: bool) -> str:
+            have_flash: bool, have_triton: bool, interpret: bool, extras: bool = False) -> str:
     """The backend for one call; pure, so the whole decision table is testable without a GPU."""
     if want not in _BACKENDS:
         raise ValueError(f"FTLIB_ATTN_BACKEND={want!r}: expected one of {_BACKENDS}")
@@ -79,6 +83,9 @@ def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, head_dim: int, mask
         return want
     if masked:
         return "sdpa"
+    if want == "triton" and extras:
+        raise RuntimeError("FTLIB_ATTN_BACKEND=triton cannot run this call: the Triton kernel has no sliding_window "
+                           "/ softcap variant (use auto, flash or sdpa)")
     if want != "auto":
         why = _unsupported(want, is_cuda, dtype, head_dim, interpret)
         if why is not None:
@@ -88,28 +95,35 @@ def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, head_dim: int, mask
         return "sdpa"
     if have_flash and _unsupported("flash", is_cuda, dtype, head_dim, interpret) is None:
         return "flash"
-    if have_triton and _unsupported("triton", is_cuda, dtype, head_dim, interpret) is None:
+    if have_triton and not extras and _unsupported("triton", is_cuda, dtype, head_dim, interpret) is None:
         return "triton"
     return "sdpa"
 
 
-def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> str:
+def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *,
+                      sliding_window: int | None = None, softcap: float | None = None) -> str:
     """Name of the backend (``flash``, ``triton``, ``sdpa`` or ``torch``) ``attention`` uses for this call."""
     return _choose(
         os.environ.get("FTLIB_ATTN_BACKEND", "auto").strip().lower(),
         is_cuda=q.is_cuda, dtype=q.dtype, head_dim=q.shape[-1], masked=key_padding_mask is not None,
         have_flash=_installed("flash_attn"), have_triton=_installed("triton"), interpret=_interpret(),
+        extras=sliding_window is not None or softcap is not None,
     )
 
 
-def _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale):
+def _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale, sliding_window=None, softcap=None):
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    extras = {}
+    if sliding_window is not None:
+        extras["window_size"] = (sliding_window - 1, 0)
+    if softcap is not None:
+        extras["softcap"] = float(softcap)
     if q.dim() == 4:  # (B, T, H, D): flash-attn's own layout; causal is bottom-right aligned too
         if cu_seqlens is not None:
             raise ValueError("attention: cu_seqlens is for the varlen layout [N, H, D]; q is dense [B, T, H, D]")
-        return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal)
+        return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extras)
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
     check_cu_seqlens_dtype(cu_seqlens)  # the values stay on the GPU: no sync, as in flash-attn
@@ -118,19 +132,23 @@ def _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale):
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens, cu_seqlens, int(max_seqlen), int(max_seqlen),
-        dropout_p=0.0, softmax_scale=scale, causal=causal,
+        dropout_p=0.0, softmax_scale=scale, causal=causal, **extras,
     )
 
 
-def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax_scale=None, key_padding_mask=None):
+def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax_scale=None, key_padding_mask=None,
+              sliding_window=None, softcap=None):
     """Attention over dense [B, T, H, D] or packed varlen [N, H, D] inputs (GQA allowed).
 
     Same semantics on every backend: see ``attention_ref`` for layouts, bottom-right causal
-    alignment and fully masked rows; ``attention_backend`` for which backend runs.
+    alignment, fully masked rows, ``sliding_window`` and ``softcap``; ``attention_backend`` for
+    which backend runs.
     """
-    backend = attention_backend(q, key_padding_mask)
+    check_window_softcap(sliding_window, softcap)
+    backend = attention_backend(q, key_padding_mask, sliding_window=sliding_window, softcap=softcap)
+    extras = dict(sliding_window=sliding_window, softcap=softcap)
     if backend == "flash":
-        return _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale)
+        return _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale, **extras)
     if backend == "triton":
         from .attention_triton import attention_triton
 
@@ -140,9 +158,9 @@ def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax
     if backend == "sdpa":
         return attention_sdpa(
             q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-            softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
+            softmax_scale=softmax_scale, key_padding_mask=key_padding_mask, **extras,
         )
     return attention_ref(
         q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-        softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
+        softmax_scale=softmax_scale, key_padding_mask=key_padding_mask, **extras,
     )
