@@ -132,3 +132,30 @@ def test_greedy_generate_matches_transformers(case, folders):
     want = hf.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)[:, 5:]
     got = generate(ours, prompt, max_new_tokens=32)
     assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("case,attr,value", [
+    ("gemma2", "softcap", None), ("gemma2", "sliding_window", None), ("gemma3", "rope", "global"),
+    ("qwen3", "qk_norm", None), ("olmo2", "qk_norm", None), ("smollm3", "rope", "global"),
+    ("mistral-window", "sliding_window", None),
+])
+def test_feature_is_load_bearing(case, attr, value, folders):
+    """Switching one feature off in ftlib's loaded model breaks the parity above (the check can fail)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folders(case)).eval()
+    ours = load_pretrained(folders(case))
+    for layer in ours.model.layers:
+        setattr(layer.self_attn, attr, value)
+    x = ids()
+    with torch.no_grad():
+        assert max_diff(ours(x), hf(x).logits) > 1e-2
+
+
+@pytest.mark.parametrize("case,field", [("gemma2", "final_logit_softcapping"), ("qwen3-yarn", "rope_scaling"),
+                                        ("gemma2", "embed_scale")])
+def test_config_feature_is_load_bearing(case, field, folders):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folders(case)).eval()
+    ours = load_pretrained(folders(case))
+    setattr(ours.config, field, None if field != "embed_scale" else False)
+    x = ids()
+    with torch.no_grad():
+        assert max_diff(ours(x), hf(x).logits) > 1e-2
