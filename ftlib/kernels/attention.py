@@ -21,8 +21,8 @@ and packed batches use ``cu_seqlens`` instead. A forced backend must still be av
 misconfiguration is caught early.
 
 ``sliding_window`` and ``softcap`` (Mistral / Gemma; semantics in ``attention_ref``) go to
-flash-attn as ``window_size=(W - 1, 0)`` and ``softcap``; the Triton kernel has no variant for
-them, so under ``auto`` such calls take flash-attn or SDPA, and forcing ``triton`` for one raises.
+flash-attn as ``window_size=(W - 1, 0)`` and ``softcap``, to the Triton kernel's constexpr
+variants, and to SDPA (a window in the mask; soft-capped calls on the reference math).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _unsupported(backend: str, is_cuda: bool, dtype: torch.dtype, head_dim: int,
 
 
 def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, head_dim: int, masked: bool,
-            have_flash: bool, have_triton: bool, interpret: bool, extras: bool = False) -> str:
+            have_flash: bool, have_triton: bool, interpret: bool) -> str:
     """The backend for one call; pure, so the whole decision table is testable without a GPU."""
     if want not in _BACKENDS:
         raise ValueError(f"FTLIB_ATTN_BACKEND={want!r}: expected one of {_BACKENDS}")
@@ -83,9 +83,6 @@ def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, head_dim: int, mask
         return want
     if masked:
         return "sdpa"
-    if want == "triton" and extras:
-        raise RuntimeError("FTLIB_ATTN_BACKEND=triton cannot run this call: the Triton kernel has no sliding_window "
-                           "/ softcap variant (use auto, flash or sdpa)")
     if want != "auto":
         why = _unsupported(want, is_cuda, dtype, head_dim, interpret)
         if why is not None:
@@ -95,19 +92,17 @@ def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, head_dim: int, mask
         return "sdpa"
     if have_flash and _unsupported("flash", is_cuda, dtype, head_dim, interpret) is None:
         return "flash"
-    if have_triton and not extras and _unsupported("triton", is_cuda, dtype, head_dim, interpret) is None:
+    if have_triton and _unsupported("triton", is_cuda, dtype, head_dim, interpret) is None:
         return "triton"
     return "sdpa"
 
 
-def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *,
-                      sliding_window: int | None = None, softcap: float | None = None) -> str:
+def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> str:
     """Name of the backend (``flash``, ``triton``, ``sdpa`` or ``torch``) ``attention`` uses for this call."""
     return _choose(
         os.environ.get("FTLIB_ATTN_BACKEND", "auto").strip().lower(),
         is_cuda=q.is_cuda, dtype=q.dtype, head_dim=q.shape[-1], masked=key_padding_mask is not None,
         have_flash=_installed("flash_attn"), have_triton=_installed("triton"), interpret=_interpret(),
-        extras=sliding_window is not None or softcap is not None,
     )
 
 
@@ -145,7 +140,7 @@ def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax
     which backend runs.
     """
     check_window_softcap(sliding_window, softcap)
-    backend = attention_backend(q, key_padding_mask, sliding_window=sliding_window, softcap=softcap)
+    backend = attention_backend(q, key_padding_mask)
     extras = dict(sliding_window=sliding_window, softcap=softcap)
     if backend == "flash":
         return _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale, **extras)
@@ -154,6 +149,7 @@ def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax
 
         return attention_triton(
             q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
+            **extras,
         )
     if backend == "sdpa":
         return attention_sdpa(
