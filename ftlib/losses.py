@@ -118,7 +118,7 @@ def _vocab_major(device_type: str, dtype: torch.dtype) -> bool:
 
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, y, chunk_size, dtype, need_h, need_w):
+    def forward(ctx, h, weight, y, chunk_size, dtype, need_h, need_w, softcap=None):
         # h (N, H) target tokens only, weight (V, H), y (N,); matmuls in `dtype`, softmax in fp32 (fp64 stays)
         acc = torch.promote_types(dtype, torch.float32)
         n = h.shape[0]
@@ -143,8 +143,12 @@ class _ChunkedCE(torch.autograd.Function):
                     z, d, yc = hc @ w.t(), 1, yc[:, None]
                 if z.dtype != acc:
                     z = z.to(acc)  # the `dtype` block is freed here: 1.5 blocks at most
+                if softcap is not None:  # z <- c tanh(z / c) (Gemma-2); its derivative 1 - tanh^2 kept for the gradient
+                    z.div_(softcap).tanh_()
+                    dcap = 1.0 - z * z if need_h or need_w else None
+                    z.mul_(softcap)
                 z_y = z.gather(d, yc)  # label logits, before z is overwritten
-                if tr and xent_block_backend(z) == "cpp":  # two passes over the block instead of five
+                if softcap is None and tr and xent_block_backend(z) == "cpp":  # two passes over the block, not five
                     total += (xent_block_(z, yc[0], need_h or need_w) - z_y[0]).sum()
                 else:
                     m = z.amax(dim=d, keepdim=True)
@@ -154,6 +158,9 @@ class _ChunkedCE(torch.autograd.Function):
                     if need_h or need_w:
                         z.div_(total_c)  # softmax
                         z.scatter_add_(d, yc, torch.full_like(z_y, -1.0))  # dL/dz = softmax - onehot(y), at g = 1
+                        if softcap is not None:
+                            z.mul_(dcap)  # through the cap
+                            del dcap
                 zc = z.t() if tr else z  # (C, V)
                 if need_h or need_w:
                     if need_h:
@@ -170,7 +177,7 @@ class _ChunkedCE(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None and ctx.needs_input_grad[0] else None
         gw = (grad_w * grad_out.to(grad_w.dtype)).to(ctx.weight_dtype) if grad_w is not None and ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -179,8 +186,11 @@ def chunked_cross_entropy(
     labels: torch.Tensor,
     chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cross_entropy_sum(hidden @ lm_head_weight.T, labels)`` without [B, T, V] logits.
+
+    ``softcap`` c: the logits are ``c * tanh(z / c)`` first (Gemma-2's ``final_logit_softcapping``).
 
     hidden [B, T, H] (the final-norm output), lm_head_weight [V, H], labels [B, T] aligned with
     input_ids (same shift as :func:`cross_entropy_sum`). Matmuls run in the autocast dtype
@@ -214,7 +224,8 @@ def chunked_cross_entropy(
         raise ValueError(f"labels must be in [0, {lm_head_weight.shape[0]}) or {ignore_index}")
     grads = torch.is_grad_enabled()
     need_h, need_w = grads and hidden.requires_grad, grads and lm_head_weight.requires_grad
-    loss = _ChunkedCE.apply(h, lm_head_weight, y, int(chunk_size), dtype, need_h, need_w)
+    loss = _ChunkedCE.apply(h, lm_head_weight, y, int(chunk_size), dtype, need_h, need_w,
+                            None if softcap is None else float(softcap))
     return loss, keep.new_tensor(keep.numel())
 
 
@@ -260,7 +271,8 @@ def head_weight(lm_head: torch.nn.Module) -> torch.Tensor:
 def causal_lm_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed token loss, target tokens) of an ftlib causal LM on a batch, without [B, T, V] logits."""
     hidden = model.model(batch["input_ids"], **{k: batch[k] for k in BATCH_KEYS if k in batch})
-    return chunked_cross_entropy(hidden, head_weight(model.lm_head), batch["labels"])
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return chunked_cross_entropy(hidden, head_weight(model.lm_head), batch["labels"], softcap=cap)
 
 
 class CausalLMLoss(torch.nn.Module):

@@ -86,7 +86,7 @@ _REFERENCE_FREE = ("simpo", "orpo")
 # ---- sequence log-probabilities ------------------------------------------------------------------
 class _ChunkedTokenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, y, chunk_size, dtype):
+    def forward(ctx, h, weight, y, chunk_size, dtype, softcap=None):
         # h (N, H) target tokens only, weight (V, H), y (N,); matmuls in `dtype`, softmax in fp32 (fp64 stays)
         acc = torch.promote_types(dtype, torch.float32)
         logp = torch.empty(h.shape[0], dtype=acc, device=h.device)
@@ -95,11 +95,13 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             w_t = weight.to(dtype).t()  # (H, V), converted once
             for s in range(0, h.shape[0], chunk_size):
                 z = (h[s : s + chunk_size].to(dtype) @ w_t).to(acc)  # (C, V)
+                if softcap is not None:  # c tanh(z / c) (Gemma-2's final_logit_softcapping)
+                    z = torch.tanh(z / softcap) * softcap
                 lse_c = torch.logsumexp(z, dim=-1)
                 lse[s : s + chunk_size] = lse_c
                 logp[s : s + chunk_size] = z.gather(1, y[s : s + chunk_size, None]).squeeze(1) - lse_c
         ctx.save_for_backward(h, weight, y, lse)
-        ctx.chunk_size, ctx.dtype = chunk_size, dtype
+        ctx.chunk_size, ctx.dtype, ctx.softcap = chunk_size, dtype, softcap
         return logp
 
     @staticmethod
@@ -114,14 +116,20 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         for s in range(0, h.shape[0], c):
             hc = h[s : s + c].to(dtype)
             z = (hc @ w.t()).to(acc)  # (C, V), recomputed
+            if ctx.softcap is not None:
+                t = torch.tanh(z / ctx.softcap)
+                z = t * ctx.softcap
             dz = torch.exp(z - lse[s : s + c, None]).neg_()  # -softmax
             dz[torch.arange(hc.shape[0], device=dz.device), y[s : s + c]] += 1.0  # onehot - softmax
             dz *= g[s : s + c, None]
+            if ctx.softcap is not None:
+                dz *= 1.0 - t * t  # through the cap
+                del t
             if need_h:
                 grad_h[s : s + c] = (dz.to(dtype) @ w).to(h.dtype)
             if need_w:
                 grad_w += dz.t() @ hc.to(acc)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
 @dataclass
@@ -138,13 +146,14 @@ class SequenceLogprobs:
 
 def sequence_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, *,
                       cu_seqlens: torch.Tensor | None = None, chunk_size: int = 1024,
-                      ignore_index: int = IGNORE_INDEX) -> SequenceLogprobs:
+                      ignore_index: int = IGNORE_INDEX, softcap: float | None = None) -> SequenceLogprobs:
     """Sum and count of ``log p(labels[t] | ...)`` per document, without [tokens, V] logits.
 
     hidden [B, T, H] (final-norm output), lm_head_weight [V, H], labels [B, T] aligned with
     input_ids. Documents: the segments of ``cu_seqlens`` (int32 [S + 1] over the flattened B*T
     tokens, a packed batch) or, without it, the B rows. Matmuls run in the autocast dtype when
-    autocast is on (else the inputs' common dtype), the softmax in fp32.
+    autocast is on (else the inputs' common dtype), the softmax in fp32. ``softcap`` c: the logits are
+    ``c * tanh(z / c)`` first (Gemma-2's ``final_logit_softcapping``).
     """
     if hidden.ndim != 3:
         raise ValueError(f"hidden must be [B, T, H], got shape {tuple(hidden.shape)}")
@@ -165,7 +174,8 @@ def sequence_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels
         dtype = torch.get_autocast_dtype(h.device.type)
     else:
         dtype = torch.promote_types(h.dtype, lm_head_weight.dtype)
-    logp = _ChunkedTokenLogprob.apply(h, lm_head_weight, y, int(chunk_size), dtype)  # (N,)
+    logp = _ChunkedTokenLogprob.apply(h, lm_head_weight, y, int(chunk_size), dtype,
+                                      None if softcap is None else float(softcap))  # (N,)
     # the document of a target is the document of the target token (flat position of labels[:, 1:])
     rows, cols = keep // (t - 1), keep % (t - 1) + 1
     if cu_seqlens is None:
@@ -206,7 +216,9 @@ def pair_logps(model, batch: dict, *, chunk_size: int = 1024) -> PairLogps:
     """Policy log-probs of a pair batch (packed or padded, ``ftlib.data.pair_batches``) through ``model``
     (a ``LlamaForCausalLM``: ``model.model`` gives hidden states, ``model.lm_head`` the head)."""
     hidden = model.model(batch["input_ids"], **{k: batch[k] for k in _LAYOUT if k in batch})
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     seq = sequence_logprobs(hidden, head_weight(model.lm_head), batch["labels"], cu_seqlens=batch.get("cu_seqlens"),
+                            softcap=cap,
                             chunk_size=chunk_size)
     ci, ri = batch["chosen_index"].to(seq.sum.device), batch["rejected_index"].to(seq.sum.device)
     return PairLogps(seq.sum[ci], seq.sum[ri], seq.count[ci], seq.count[ri])

@@ -21,6 +21,13 @@ Masking: key j is visible to query i when both lie in the same document and, if
 causal, j <= i + (Tk - Tq) (bottom-right alignment, as ``attention_ref``). Rows
 that see no key return zeros and lse = -inf, and get zero gradient.
 
+Two constexpr variants (Mistral / Gemma): ``HAS_WINDOW`` also hides keys j <= i + (Tk - Tq) - W
+(``window`` W, the last W positions stay visible); key tiles wholly outside every row's window are
+never visited (the loops start at the first tile a row of the program can see), and every visited
+tile runs the masked loop. ``SOFTCAP``: scores become c tanh(x / c) with x = scale <q, k>
+(``cap_a`` = scale / c, ``cap_b`` = c log2(e) in base 2), and the backward multiplies dS by the
+cap's slope 1 - tanh^2(x / c). tanh is written as 2 sigmoid(2x) - 1 (one exp per score).
+
 Scheme (Dao, "FlashAttention-2", arXiv:2307.08691; Triton tutorial 06):
 
 - ``_fwd_kernel``: one program per (query tile, document or batch row, query
@@ -104,19 +111,32 @@ def _load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
 
 
 @triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-               len_k, diag, qk_scale, lo, hi,
+               len_k, diag, qk_scale, lo, hi, window, cap_a, cap_b,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = _load_tile(k_ptr + cols[:, None] * stride_kt + offs_d[None, :], cols, len_k, offs_d,
                        HEAD_DIM, BLOCK_D, MASKED)  # (BN, BD)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN), log2 units
+        if SOFTCAP:
+            s = _tanh(tl.dot(q, tl.trans(k), input_precision=PRECISION) * cap_a) * cap_b  # (BM, BN), log2 units
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN), log2 units
         if MASKED:
             keep = cols[None, :] < len_k
-            if CAUSAL:
+            if HAS_WINDOW and CAUSAL:  # 0 <= i + diag - j < window, as one unsigned compare
+                keep = keep & ((offs_m[:, None] + diag - cols[None, :]).to(tl.uint32) < window)
+            elif CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            elif HAS_WINDOW:
+                keep = keep & (cols[None, :] > offs_m[:, None] + diag - window)
             s = tl.where(keep, s, float("-inf"))
         # m_i starts at -1e30 (finite), so a row whose keys are all masked keeps p = 0, alpha = 1.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -131,14 +151,15 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, off
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window"])
 def _fwd_kernel(
     Q, K, V, O, LSE, CU_SEQLENS, qk_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, group,
+    seqlen_q, seqlen_k, group, window, cap_a, cap_b,
     IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     # Late causal tiles do the most work: launch them first to shorten the tail.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -187,12 +208,18 @@ def _fwd_kernel(
         hi = len_k
     full = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
     hi = tl.maximum(hi, 0)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, offs_n,
-                               offs_d, len_k, diag, qk_scale, 0, full,
-                               False, CAUSAL, PRECISION, BLOCK_N, BLOCK_D, HEAD_DIM)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, offs_n,
-                               offs_d, len_k, diag, qk_scale, full, hi,
-                               True, CAUSAL, PRECISION, BLOCK_N, BLOCK_D, HEAD_DIM)
+    if HAS_WINDOW:  # from the first key tile the tile's first row can see, all masked
+        lo = tl.maximum(m0 + diag - window + 1, 0) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, offs_n,
+                                   offs_d, len_k, diag, qk_scale, lo, hi, window, cap_a, cap_b,
+                                   True, CAUSAL, PRECISION, BLOCK_N, BLOCK_D, HEAD_DIM, HAS_WINDOW, SOFTCAP)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, offs_n,
+                                   offs_d, len_k, diag, qk_scale, 0, full, window, cap_a, cap_b,
+                                   False, CAUSAL, PRECISION, BLOCK_N, BLOCK_D, HEAD_DIM, HAS_WINDOW, SOFTCAP)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, offs_n,
+                                   offs_d, len_k, diag, qk_scale, full, hi, window, cap_a, cap_b,
+                                   True, CAUSAL, PRECISION, BLOCK_N, BLOCK_D, HEAD_DIM, HAS_WINDOW, SOFTCAP)
 
     seen = l_i > 0.0  # rows with at least one visible key
     l_safe = tl.where(seen, l_i, 1.0)
@@ -240,9 +267,10 @@ def _bwd_preprocess(
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt, stride_dot,
-                    offs_n, offs_mb, offs_d, len_q, diag, qk_scale, lo, hi,
+                    offs_n, offs_mb, offs_d, len_q, diag, qk_scale, lo, hi, window, cap_a, cap_b,
                     MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    CAUSAL: tl.constexpr = True, HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_mb
         # Rows past len_q read q = dO = 0 and lse = D = 0: their p is finite and every term they
@@ -256,25 +284,35 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt, 
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         delta = tl.load(delta_ptr + rows, mask=rows < len_q, other=0.0)
         qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BN, BM)
-        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
+        if SOFTCAP:
+            t_t = _tanh(qk_t * cap_a)
+            p_t = tl.math.exp2(t_t * cap_b - lse2[None, :])
+        else:
+            p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
         if MASKED:
-            p_t = tl.where(rows[None, :] + diag >= offs_n[:, None], p_t, 0.0)
+            if CAUSAL:
+                p_t = tl.where(rows[None, :] + diag >= offs_n[:, None], p_t, 0.0)
+            if HAS_WINDOW:
+                p_t = tl.where(offs_n[:, None] > rows[None, :] + diag - window, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BN, BM)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, CU_SEQLENS, qk_scale, sm_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, group,
+    seqlen_q, seqlen_k, group, window, cap_a, cap_b,
     IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
@@ -326,20 +364,31 @@ def _bwd_dkdv_kernel(
         mid = (tl.maximum(n0 + BLOCK_N - 1 - diag, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         mid_end = tl.minimum(mid, len_q)
     else:
+        lo = 0
         mid = 0
+    # With a window, rows i >= n0 + BLOCK_N - 1 - diag + window see none of this tile: [lo, w_hi), masked.
+    w_hi = tl.minimum(len_q, tl.maximum(n0 + BLOCK_N - 1 - diag + window, 0))
     for g in range(0, group):  # the query heads sharing kv head hk, summed in a fixed order
         h = hk * group + g
         q_ptr = q_base + h * stride_qh
         do_ptr = do_base + h * stride_doh
         lse_ptr = lse_base + h * stride_lh
         delta_ptr = delta_base + h * stride_lh
-        if CAUSAL:
+        if HAS_WINDOW:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt,
                                      stride_dot, offs_n, offs_mb, offs_d, len_q, diag, qk_scale, lo,
-                                     mid_end, True, PRECISION, BLOCK_M, BLOCK_D, HEAD_DIM)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt,
-                                 stride_dot, offs_n, offs_mb, offs_d, len_q, diag, qk_scale, mid,
-                                 len_q, False, PRECISION, BLOCK_M, BLOCK_D, HEAD_DIM)
+                                     w_hi, window, cap_a, cap_b, True, PRECISION, BLOCK_M, BLOCK_D, HEAD_DIM,
+                                     CAUSAL, HAS_WINDOW, SOFTCAP)
+        else:
+            if CAUSAL:
+                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt,
+                                         stride_dot, offs_n, offs_mb, offs_d, len_q, diag, qk_scale, lo,
+                                         mid_end, window, cap_a, cap_b, True, PRECISION, BLOCK_M, BLOCK_D,
+                                         HEAD_DIM, CAUSAL, HAS_WINDOW, SOFTCAP)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt,
+                                     stride_dot, offs_n, offs_mb, offs_d, len_q, diag, qk_scale, mid,
+                                     len_q, window, cap_a, cap_b, False, PRECISION, BLOCK_M, BLOCK_D, HEAD_DIM,
+                                     CAUSAL, HAS_WINDOW, SOFTCAP)
 
     out_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_DIM)
     tl.store(dk_ptr + offs_n[:, None] * stride_dkt + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
@@ -349,9 +398,10 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                  len_k, diag, qk_scale, lo, hi,
+                  len_k, diag, qk_scale, lo, hi, window, cap_a, cap_b,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = _load_tile(k_ptr + cols[:, None] * stride_kt + offs_d[None, :], cols, len_k, offs_d,
@@ -359,27 +409,36 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kt, stride_vt, of
         v = _load_tile(v_ptr + cols[:, None] * stride_vt + offs_d[None, :], cols, len_k, offs_d,
                        HEAD_DIM, BLOCK_D, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BM, BN)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if SOFTCAP:
+            t = _tanh(qk * cap_a)
+            p = tl.math.exp2(t * cap_b - lse2[:, None])
+        else:
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             keep = cols[None, :] < len_k
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            if HAS_WINDOW:
+                keep = keep & (cols[None, :] > offs_m[:, None] + diag - window)
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BM, BN)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window"])
 def _bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, CU_SEQLENS, qk_scale, sm_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, group,
+    seqlen_q, seqlen_k, group, window, cap_a, cap_b,
     IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)  # document (varlen) or batch row (dense)
@@ -433,10 +492,18 @@ def _bwd_dq_kernel(
         hi = len_k
     full = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
     hi = tl.maximum(hi, 0)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                       len_k, diag, qk_scale, 0, full, False, CAUSAL, PRECISION, BLOCK_N, BLOCK_D, HEAD_DIM)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                       len_k, diag, qk_scale, full, hi, True, CAUSAL, PRECISION, BLOCK_N, BLOCK_D, HEAD_DIM)
+    if HAS_WINDOW:
+        lo = tl.maximum(m0 + diag - window + 1, 0) // BLOCK_N * BLOCK_N
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                           len_k, diag, qk_scale, lo, hi, window, cap_a, cap_b, True, CAUSAL, PRECISION, BLOCK_N,
+                           BLOCK_D, HEAD_DIM, HAS_WINDOW, SOFTCAP)
+    else:
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                           len_k, diag, qk_scale, 0, full, window, cap_a, cap_b, False, CAUSAL, PRECISION, BLOCK_N,
+                           BLOCK_D, HEAD_DIM, HAS_WINDOW, SOFTCAP)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                           len_k, diag, qk_scale, full, hi, window, cap_a, cap_b, True, CAUSAL, PRECISION, BLOCK_N,
+                           BLOCK_D, HEAD_DIM, HAS_WINDOW, SOFTCAP)
     o_mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM)
     tl.store(dq_ptr + offs_m[:, None] * stride_dqt + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=o_mask)

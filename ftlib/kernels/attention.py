@@ -19,6 +19,10 @@ Calls with a ``key_padding_mask`` (padded batches with holes, KV-cache decoding)
 (or to the reference when ``torch`` is forced): neither fused kernel takes a dense padding mask,
 and packed batches use ``cu_seqlens`` instead. A forced backend must still be available, so a
 misconfiguration is caught early.
+
+``sliding_window`` and ``softcap`` (Mistral / Gemma; semantics in ``attention_ref``) go to
+flash-attn as ``window_size=(W - 1, 0)`` and ``softcap``, to the Triton kernel's constexpr
+variants, and to SDPA (a window in the mask; soft-capped calls on the reference math).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import os
 
 import torch
 
-from .attention_ref import attention_ref, check_cu_seqlens_dtype
+from .attention_ref import attention_ref, check_cu_seqlens_dtype, check_window_softcap
 from .attention_sdpa import attention_sdpa
 
 __all__ = ["attention", "attention_backend"]
@@ -102,14 +106,19 @@ def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = N
     )
 
 
-def _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale):
+def _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale, sliding_window=None, softcap=None):
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    extras = {}
+    if sliding_window is not None:
+        extras["window_size"] = (sliding_window - 1, 0)
+    if softcap is not None:
+        extras["softcap"] = float(softcap)
     if q.dim() == 4:  # (B, T, H, D): flash-attn's own layout; causal is bottom-right aligned too
         if cu_seqlens is not None:
             raise ValueError("attention: cu_seqlens is for the varlen layout [N, H, D]; q is dense [B, T, H, D]")
-        return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal)
+        return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extras)
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
     check_cu_seqlens_dtype(cu_seqlens)  # the values stay on the GPU: no sync, as in flash-attn
@@ -118,31 +127,36 @@ def _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale):
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
     return flash_attn_varlen_func(
         q, k, v, cu_seqlens, cu_seqlens, int(max_seqlen), int(max_seqlen),
-        dropout_p=0.0, softmax_scale=scale, causal=causal,
+        dropout_p=0.0, softmax_scale=scale, causal=causal, **extras,
     )
 
 
-def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax_scale=None, key_padding_mask=None):
+def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax_scale=None, key_padding_mask=None,
+              sliding_window=None, softcap=None):
     """Attention over dense [B, T, H, D] or packed varlen [N, H, D] inputs (GQA allowed).
 
     Same semantics on every backend: see ``attention_ref`` for layouts, bottom-right causal
-    alignment and fully masked rows; ``attention_backend`` for which backend runs.
+    alignment, fully masked rows, ``sliding_window`` and ``softcap``; ``attention_backend`` for
+    which backend runs.
     """
+    check_window_softcap(sliding_window, softcap)
     backend = attention_backend(q, key_padding_mask)
+    extras = dict(sliding_window=sliding_window, softcap=softcap)
     if backend == "flash":
-        return _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale)
+        return _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale, **extras)
     if backend == "triton":
         from .attention_triton import attention_triton
 
         return attention_triton(
             q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
+            **extras,
         )
     if backend == "sdpa":
         return attention_sdpa(
             q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-            softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
+            softmax_scale=softmax_scale, key_padding_mask=key_padding_mask, **extras,
         )
     return attention_ref(
         q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-        softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
+        softmax_scale=softmax_scale, key_padding_mask=key_padding_mask, **extras,
     )

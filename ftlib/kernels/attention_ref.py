@@ -11,6 +11,14 @@ A query may see key j when j is in the same document and, if ``causal``, when
 so a decoding step with Tq=1 sees the whole cache). Rows that see no key at all
 (fully padded) return zeros and ``lse = -inf`` instead of NaN.
 
+Two options of the Mistral / Gemma families:
+
+- ``sliding_window`` W: query i sees only keys ``j > i + (Tk - Tq) - W`` (the last W
+  positions, its own included: Hugging Face's ``sliding_window``, flash-attn's
+  ``window_size=(W - 1, 0)``);
+- ``softcap`` c (Gemma-2's ``attn_logit_softcapping``): ``s_ij <- c * tanh(s_ij / c)`` on the
+  scaled scores, before masking and the softmax.
+
 Layouts (the ones ``ftlib.kernels.attention`` accepts):
 
 - dense:  q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], optional ``key_padding_mask``
@@ -30,7 +38,7 @@ import math
 
 import torch
 
-__all__ = ["attention_ref", "check_attention_inputs", "check_cu_seqlens", "check_cu_seqlens_dtype"]
+__all__ = ["attention_ref", "check_attention_inputs", "check_cu_seqlens", "check_cu_seqlens_dtype", "check_window_softcap"]
 
 
 def check_cu_seqlens_dtype(cu_seqlens: torch.Tensor, who: str = "attention") -> None:
@@ -49,6 +57,15 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, n: int, who: str = "attention") -
         raise ValueError(f"{who}: cu_seqlens must rise from 0 to N={n} (1-D), got "
                          f"{cu_seqlens.flatten()[:8].tolist()}{'...' if cu_seqlens.numel() > 8 else ''}")
     return cu
+
+
+def check_window_softcap(sliding_window, softcap) -> None:
+    """A ValueError naming the argument when ``sliding_window`` is not a positive int or ``softcap`` not > 0."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window <= 0):
+        raise ValueError(f"attention: sliding_window must be a positive integer or None, got {sliding_window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"attention: softcap must be a number > 0 or None, got {softcap!r}")
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> None:
@@ -70,7 +87,7 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, de
         raise ValueError(f"attention: varlen q and k must have the same N, got {q.shape[0]} and {k.shape[0]}")
 
 
-def _dense(q, k, v, causal, scale, key_padding_mask, segments=None):
+def _dense(q, k, v, causal, scale, key_padding_mask, segments=None, window=None, softcap=None):
     # q (B, Tq, Hq, D); k, v (B, Tk, Hkv, D)
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -79,9 +96,13 @@ def _dense(q, k, v, causal, scale, key_padding_mask, segments=None):
     qf = q.to(cdt).reshape(b, tq, hkv, g, d)
     kf, vf = k.to(cdt), v.to(cdt)
     s = torch.einsum("bqhgd,bkhd->bhgqk", qf, kf) * scale  # (B, Hkv, G, Tq, Tk)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     allowed = torch.ones(tq, tk, dtype=torch.bool, device=q.device)
     if causal:
         allowed = torch.tril(allowed, diagonal=tk - tq)
+    if window is not None:  # keys j > i + (Tk - Tq) - W only
+        allowed = allowed & ~torch.tril(torch.ones_like(allowed), diagonal=tk - tq - window)
     allowed = allowed.view(1, 1, 1, tq, tk)
     if key_padding_mask is not None:
         if key_padding_mask.shape != (b, tk):
@@ -109,6 +130,8 @@ def attention_ref(
     max_seqlen: int | None = None,
     softmax_scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     return_lse: bool = False,
 ):
     """Reference attention; see the module docstring for layouts and semantics.
@@ -119,10 +142,12 @@ def attention_ref(
     dense = q.dim() == 4
     check_attention_inputs(q, k, v, dense)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    check_window_softcap(sliding_window, softcap)
+    extras = dict(window=sliding_window, softcap=softcap)
     if dense:
         if cu_seqlens is not None:
             raise ValueError("attention: cu_seqlens is for the varlen layout [N, H, D]; q is dense [B, T, H, D]")
-        o, lse = _dense(q, k, v, causal, scale, key_padding_mask)
+        o, lse = _dense(q, k, v, causal, scale, key_padding_mask, **extras)
         return (o, lse) if return_lse else o
     if key_padding_mask is not None:
         raise ValueError("attention: key_padding_mask applies to the dense layout only")
@@ -135,7 +160,7 @@ def attention_ref(
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = torch.full((q.shape[1], n), float("-inf"), dtype=cdt, device=q.device)
     for s, e, seg in _groups(cu, q.device):
-        od, ld = _dense(q[None, s:e], k[None, s:e], v[None, s:e], causal, scale, None, seg)
+        od, ld = _dense(q[None, s:e], k[None, s:e], v[None, s:e], causal, scale, None, seg, **extras)
         o[s:e] = od[0]
         lse[:, s:e] = ld[0]
     return (o, lse) if return_lse else o

@@ -28,6 +28,11 @@ Measured on a 2-core CPU (fp32, Hq/Hkv = 8/4, head dim 64, one packed row of 204
 + backward; see ``benchmarks/NOTES.md``): per-document calls beat one call with a block-diagonal
 mask by 4-20x (the CPU kernel does not skip fully masked tiles), and the reference by 3-8x.
 ``flex_attention`` with a document mask has no backward on CPU (torch 2.13), so it is not used.
+
+``sliding_window`` (see ``attention_ref``) joins the explicit boolean mask: dense calls take it in
+their mask, varlen calls run one masked SDPA call per document (autograd through SDPA; the C++
+kernel has no window). ``softcap`` changes the scores inside the softmax, which no SDPA kernel
+does, so soft-capped calls run ``attention_ref``'s math (scores materialised per document group).
 """
 
 from __future__ import annotations
@@ -38,7 +43,13 @@ import torch
 import torch.nn.functional as F
 
 from .attention_cpu import attention_cpu_backend, flash_attn_cpu_backward, flash_attn_cpu_forward
-from .attention_ref import check_attention_inputs, check_cu_seqlens, check_cu_seqlens_dtype
+from .attention_ref import (
+    attention_ref,
+    check_attention_inputs,
+    check_cu_seqlens,
+    check_cu_seqlens_dtype,
+    check_window_softcap,
+)
 
 __all__ = ["attention_sdpa"]
 
@@ -158,15 +169,19 @@ def _backward(ctx, do, _dlse):
 _varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _dense(q, k, v, causal, scale, key_padding_mask):
+def _dense(q, k, v, causal, scale, key_padding_mask, window=None):
     b, tq, hq, d = q.shape
     tk = k.shape[1]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D) views
-    if key_padding_mask is None and (not causal or tq == tk):
+    if window is not None and window >= tk:
+        window = None  # no key is that far back
+    if key_padding_mask is None and window is None and (not causal or tq == tk):
         return _sdpa(qt, kt, vt, is_causal=causal, scale=scale).transpose(1, 2)
     allowed = torch.ones(tq, tk, dtype=torch.bool, device=q.device)
     if causal:
         allowed = torch.tril(allowed, diagonal=tk - tq)  # bottom-right: query i sees keys j <= i + Tk - Tq
+    if window is not None:  # and keys j > i + Tk - Tq - W only
+        allowed = allowed & ~torch.tril(torch.ones_like(allowed), diagonal=tk - tq - window)
     allowed = allowed.view(1, 1, tq, tk)
     if key_padding_mask is not None:
         if key_padding_mask.shape != (b, tk):
@@ -188,6 +203,8 @@ def attention_sdpa(
     max_seqlen: int | None = None,
     softmax_scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention over dense [B, T, H, D] or varlen [N, H, D] inputs via SDPA; o shaped like q.
 
@@ -196,15 +213,25 @@ def attention_sdpa(
     """
     dense = q.dim() == 4
     check_attention_inputs(q, k, v, dense)
+    check_window_softcap(sliding_window, softcap)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if softcap is not None:
+        return attention_ref(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=scale,
+                             key_padding_mask=key_padding_mask, sliding_window=sliding_window, softcap=softcap)
     if dense:
         if cu_seqlens is not None:
             raise ValueError("attention: cu_seqlens is for the varlen layout [N, H, D]; q is dense [B, T, H, D]")
-        return _dense(q, k, v, causal, scale, key_padding_mask)
+        return _dense(q, k, v, causal, scale, key_padding_mask, sliding_window)
     if key_padding_mask is not None:
         raise ValueError("attention: key_padding_mask applies to the dense layout only")
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32)
     else:
         check_cu_seqlens_dtype(cu_seqlens)  # the values are checked inside the op (no graph break here)
+    if sliding_window is not None:
+        spans = _segments(cu_seqlens, q.shape[0])
+        if any(e - s > sliding_window for s, e in spans):  # else the window hides nothing
+            parts = [_dense(q[None, s:e], k[None, s:e], v[None, s:e], causal, scale, None, sliding_window)[0]
+                     for s, e in spans]
+            return torch.cat(parts) if parts else torch.empty_like(q)
     return _varlen_fwd(q, k, v, cu_seqlens, bool(causal), scale)[0]

@@ -23,6 +23,7 @@ import triton
 from torch.autograd.function import once_differentiable
 
 from . import _attention_kernels as _k
+from .attention_ref import check_window_softcap
 
 __all__ = ["KERNELS", "PREPROCESS_BLOCK_M", "attention_triton", "tile_configs"]
 
@@ -228,10 +229,13 @@ def _bth(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
 class _Geometry:
     """Grid-level facts shared by the forward and backward launches."""
 
-    def __init__(self, q, k, cu_seqlens, max_seqlen, causal, scale):
+    def __init__(self, q, k, cu_seqlens, max_seqlen, causal, scale, window=None, softcap=None):
         self.varlen = q.dim() == 3
         self.causal = causal
         self.scale = scale
+        self.window, self.softcap = window, softcap
+        # runtime arguments of the window / soft-cap variants (ignored by the plain ones)
+        self.extras = (int(window or 0), scale / softcap if softcap else 0.0, softcap * _LOG2E if softcap else 0.0)
         self.hq, self.hkv, self.d = q.shape[-2], k.shape[-2], q.shape[-1]
         self.block_d = max(16, 1 << max(self.d - 1, 0).bit_length())  # next power of two, plain int math
         self.precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact fp32
@@ -251,7 +255,8 @@ class _Geometry:
 
     def meta(self):
         return dict(IS_VARLEN=self.varlen, CAUSAL=self.causal, PRECISION=self.precision,
-                    HEAD_DIM=self.d, BLOCK_D=self.block_d)
+                    HEAD_DIM=self.d, BLOCK_D=self.block_d, HAS_WINDOW=self.window is not None,
+                    SOFTCAP=self.softcap is not None)
 
     @property
     def empty(self):
@@ -276,7 +281,7 @@ def _forward(q, k, v, geo: _Geometry):
             q, k, v, o, lse, geo.cu, geo.scale * _LOG2E,
             *_bth(q, geo.varlen), *_bth(k, geo.varlen), *_bth(v, geo.varlen), *_bth(o, geo.varlen),
             *geo.lse_strides(lse),
-            geo.seqlen_q, geo.seqlen_k, geo.hq // geo.hkv,
+            geo.seqlen_q, geo.seqlen_k, geo.hq // geo.hkv, *geo.extras,
             **geo.meta(),
         )
     return o, lse
@@ -303,7 +308,7 @@ def _backward(do, q, k, v, o, lse, geo: _Geometry):
             q, k, v, do, dk, dv, lse, delta, geo.cu, geo.scale * _LOG2E, geo.scale,
             *_bth(q, vl), *_bth(k, vl), *_bth(v, vl), *_bth(do, vl), *_bth(dk, vl), *_bth(dv, vl),
             *geo.lse_strides(lse),
-            geo.seqlen_q, geo.seqlen_k, group,
+            geo.seqlen_q, geo.seqlen_k, group, *geo.extras,
             **meta,
         )
         q_grid = lambda m: (_cdiv(geo.seqlen_q, m["BLOCK_M"]), geo.batch, geo.hq)
@@ -311,7 +316,7 @@ def _backward(do, q, k, v, o, lse, geo: _Geometry):
             q, k, v, do, dq, lse, delta, geo.cu, geo.scale * _LOG2E, geo.scale,
             *_bth(q, vl), *_bth(k, vl), *_bth(v, vl), *_bth(do, vl), *_bth(dq, vl),
             *geo.lse_strides(lse),
-            geo.seqlen_q, geo.seqlen_k, group,
+            geo.seqlen_q, geo.seqlen_k, group, *geo.extras,
             **meta,
         )
     return dq, dk, dv
@@ -421,9 +426,14 @@ def attention_triton(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     softmax_scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     return_lse: bool = False,
 ):
     """Fused attention with the semantics of ``attention_ref`` (no key_padding_mask).
+
+    ``sliding_window`` and ``softcap`` (see ``attention_ref``) select the kernels' constexpr
+    variants: key tiles outside every row's window are skipped, soft-capped scores use tanh.
 
     q [B, Tq, Hq, D] with k, v [B, Tk, Hkv, D] (dense; causal is bottom-right aligned when
     Tq != Tk), or q [N, Hq, D] with k, v [N, Hkv, D] and ``cu_seqlens`` int32 [n_docs + 1]
@@ -436,7 +446,9 @@ def attention_triton(
     """
     cu_seqlens, max_seqlen = _validate(q, k, v, cu_seqlens, max_seqlen)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    geo = _Geometry(q, k, cu_seqlens, max_seqlen, bool(causal), scale)
+    check_window_softcap(sliding_window, softcap)
+    geo = _Geometry(q, k, cu_seqlens, max_seqlen, bool(causal), scale, sliding_window,
+                    None if softcap is None else float(softcap))
     if geo.batch > _MAX_GRID_YZ:
         what = "documents in cu_seqlens" if geo.varlen else "batch rows"
         raise ValueError(f"attention_triton: {geo.batch} {what} > {_MAX_GRID_YZ} (CUDA grid limit); split the batch")

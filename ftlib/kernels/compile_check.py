@@ -247,19 +247,26 @@ def _attention_cases(target, full):
     variants = [("bf16-d128-causal", "bf16", 128, True, False), ("fp16-d128-causal", "fp16", 128, True, False),
                 ("fp32-d64-causal", "fp32", 64, True, False), ("bf16-d64-causal", "bf16", 64, True, False),
                 ("bf16-d128-full", "bf16", 128, False, False), ("bf16-d128-varlen", "bf16", 128, True, True),
-                ("bf16-d80-causal", "bf16", 80, True, False), ("bf16-d256-causal", "bf16", 256, True, False)]
+                ("bf16-d80-causal", "bf16", 80, True, False), ("bf16-d256-causal", "bf16", 256, True, False),
+                # the window / soft-cap variants: Mistral / Qwen (window, D = 128), Gemma-2 (both, D = 256),
+                # Gemma-3 (window, D = 256), and fp32
+                ("bf16-d128-varlen-window", "bf16", 128, True, True, True, False),
+                ("bf16-d256-varlen-window-softcap", "bf16", 256, True, True, True, True),
+                ("bf16-d256-window", "bf16", 256, True, False, True, False),
+                ("fp32-d64-varlen-window-softcap", "fp32", 64, True, True, True, True)]
     out = []
-    for variant, dtype, d, causal, varlen in variants:
+    for variant, dtype, d, causal, varlen, *extra in variants:
+        window, softcap = extra or (False, False)
         block_d = max(16, 1 << (d - 1).bit_length())
         meta = dict(IS_VARLEN=varlen, CAUSAL=causal, PRECISION="ieee" if dtype == "fp32" else "tf32",
-                    HEAD_DIM=d, BLOCK_D=block_d)
+                    HEAD_DIM=d, BLOCK_D=block_d, HAS_WINDOW=window, SOFTCAP=softcap)
         ptr = {n: dtype for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}
         ptr.update(LSE="fp32", DELTA="fp32", CU_SEQLENS="i32")
         for kind in ("fwd", "dkdv", "dq"):
             configs = at.tile_configs(kind, meta, limit)
             for i, (c, est) in enumerate(configs if full else configs[:1]):
                 out.append(Case(f"attention.{kind}", variant, _cfg_text(c, ("BLOCK_M", "BLOCK_N")), target,
-                                "ftlib.kernels.attention_triton", kind, ptr, ("qk_scale", "sm_scale"),
+                                "ftlib.kernels.attention_triton", kind, ptr, ("qk_scale", "sm_scale", "cap_a", "cap_b"),
                                 dict(meta, **c.kwargs), c.num_warps, c.num_stages, est, i == 0,
                                 aligned=d % 16 == 0))
         pre = dict(IS_VARLEN=varlen, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=at.PREPROCESS_BLOCK_M)

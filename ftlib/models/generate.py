@@ -170,10 +170,18 @@ def generate(
     out = torch.full((b, max_new_tokens), pad_token_id, dtype=torch.long, device=input_ids.device)
     done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
     step_ids, step_mask = input_ids, attention_mask
+    seen_mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    switch = _longrope_switch(model)
     n = 0
     for n in range(1, max_new_tokens + 1):
+        if switch is not None and n > 1 and t + n - 1 > switch >= kv_cache.length:
+            # longrope: the first step past the original context switches every position to the long
+            # factors, so the cached keys (rotated with the short ones) are recomputed, as transformers does
+            kv_cache.reset()
+            step_ids, step_mask = torch.cat([input_ids, out[:, :n - 1]], dim=1), seen_mask
         hidden = model.model(step_ids, attention_mask=step_mask, kv_cache=kv_cache)  # (B, T_step, H)
-        logits = linear_module(model.lm_head, hidden[:, -1])  # (B, V): only the last position is needed
+        last = hidden[:, -1]  # (B, H): only the last position's logits are needed (soft-capped where configured)
+        logits = model.logits(last) if hasattr(model, "logits") else linear_module(model.lm_head, last)
         nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         out[:, n - 1] = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
         done |= torch.isin(nxt, stops)
@@ -181,4 +189,11 @@ def generate(
             break
         # finished rows keep decoding in lockstep, with their new slots masked out of the cache
         step_ids, step_mask = nxt[:, None], ~done[:, None]
+        seen_mask = torch.cat([seen_mask, step_mask], dim=1)
     return out[:, :n]
+
+
+def _longrope_switch(model) -> int | None:
+    """``original_max_position_embeddings`` of a longrope model (where its factors switch), else None."""
+    scaling = getattr(getattr(model, "config", None), "rope_scaling", None) or {}
+    return scaling.get("original_max_position_embeddings") if scaling.get("rope_type") == "longrope" else None

@@ -1,21 +1,33 @@
-"""Llama-family decoder (Llama 2 / 3 / 3.1 / 3.2, Qwen2 / 2.5, Mistral) in plain PyTorch.
+"""One decoder for every dense family (Llama, Mistral, Qwen2/3, Gemma-2/3, Phi-3/4, OLMo-2, SmolLM3).
 
-Per block, with x [B, T, H] (pre-norm residual stream):
+Per block, with x [B, T, H] the residual stream, the norms placed by ``config.norm_layout``:
 
-    h   = x + o_proj(attention(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
-    out = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))          (SwiGLU)
-    n(x) = w * x / sqrt(mean(x^2) + eps)                                 (RMSNorm, in float32)
+    pre      (Llama, Qwen, Mistral, Phi, SmolLM3):  h = x + A(n1(x));        out = h + M(n2(h))
+    sandwich (Gemma-2/3):                           h = x + n2(A(n1(x)));    out = h + n4(M(n3(h)))
+    post     (OLMo-2):                              h = x + n2(A(x));        out = h + n4(M(h))
 
-then ``logits = lm_head(norm(x_L))``. Attention is grouped-query (Hq query heads
-share Hkv key/value heads) and goes through ``ftlib.kernels.attention``.
+    A(x) = o_proj(attention(rope(qn(q_proj(x))), rope(kn(k_proj(x))), v_proj(x)))
+    M(x) = down_proj(act(gate_proj(x)) * up_proj(x))        act = silu (SwiGLU) | tanh-GELU (GeGLU)
+    n(x) = w * x / sqrt(mean(x^2) + eps)                   RMSNorm in float32; Gemma: (1 + w), in fp32
+
+then ``logits = lm_head(norm(x_L))`` (Gemma-2: ``c * tanh(logits / c)``). The family's extras are
+switches of ``LlamaConfig``: q/k norms per head before RoPE (Qwen3, Gemma-3) or over the whole
+projection (OLMo-2); fused ``qkv_proj`` / ``gate_up_proj`` (Phi-3, split after the product);
+partial rotary (Phi-3); RoPE off per layer (SmolLM3); embeddings x sqrt(hidden) in the
+activations' dtype (Gemma); softmax scale ``query_pre_attn_scalar ** -0.5`` and attention logit
+soft-capping ``c * tanh(s / c)`` (Gemma-2); a sliding window per layer (``layer_types``: Mistral,
+Qwen, Gemma, Phi-3) and, for Gemma-3, a local RoPE base on the sliding layers. Attention is
+grouped-query (Hq query heads share Hkv key/value heads) and goes through
+``ftlib.kernels.attention``.
 
 References: Touvron et al. 2023 (Llama 2), Dubey et al. 2024 (Llama 3), Zhang &
-Sennrich 2019 (RMSNorm), Shazeer 2020 (GLU variants), Ainslie et al. 2023 (GQA).
+Sennrich 2019 (RMSNorm), Shazeer 2020 (GLU variants), Ainslie et al. 2023 (GQA), Gemma Team
+2024/2025 (Gemma 2, Gemma 3), Abdin et al. 2024 (Phi-3), OLMo Team 2024 (OLMo 2), Yang et al. 2025
+(Qwen3); the ``modeling_*.py`` files of Hugging Face transformers are the specification.
 
-Module names mirror Hugging Face's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
-``MistralForCausalLM`` so ``state_dict()`` keys equal the checkpoint keys
-(``model.layers.0.self_attn.q_proj.weight`` ...). Projections are plain
-``nn.Linear`` so adapters can wrap them.
+Module names mirror Hugging Face's ``*ForCausalLM`` classes so ``state_dict()`` keys equal the
+checkpoint keys (``model.layers.0.self_attn.q_proj.weight``, Phi-3's ``qkv_proj`` ...).
+Projections are plain ``nn.Linear`` so adapters can wrap them.
 
 Three batch layouts (the batch contract of ``ftlib.data.collate``), decided once per forward by ``BatchPlan.build``
 (the one place that reads the layout arguments) and applied by ``BatchPlan.attend`` (the one
@@ -55,7 +67,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..kernels import attention, linear_module, rms_norm, swiglu
 from .config import LlamaConfig
-from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .rope import apply_rope, rope_attention_scaling, rope_cos_sin, rope_inv_freq
 
 __all__ = [
     "BatchPlan",
@@ -75,16 +87,23 @@ class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), normalised in float32 and cast back before the scale.
 
     ``ftlib.kernels.rms_norm``: forward and backward written out (backward keeps x and the per-row
-    1 / rms only), one pass each way over a row on CPU for fp32.
+    1 / rms only), one pass each way over a row on CPU for fp32. ``offset=True`` (Gemma) is
+    ``((1 + w) * n).to(x.dtype)`` with the scale in float32 too; ``scale_fp32=True`` (OLMo-2) is
+    ``(w * n).to(x.dtype)``: in float32 all three are the same numbers.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, *, offset: bool = False, scale_fp32: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset, self.scale_fp32 = eps, offset, scale_fp32
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        if not (self.offset or self.scale_fp32):
+            return rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float()
+        return (n * (1.0 + w) if self.offset else w * n).to(x.dtype)
 
 
 @dataclass
@@ -104,9 +123,11 @@ class BatchPlan:
     max_seqlen: int | None = None
     key_padding_mask: torch.Tensor | None = None  # (B, T) bool, dense mode only
     kv_cache: Any = None  # ftlib.models.generate.KVCache
-    keys: int = 0  # the longest run of keys a query sees (for the sliding-window check)
-    cos: torch.Tensor | None = None  # (B, T, D) RoPE tables in the activations' dtype, set by the model
+    keys: int = 0  # the longest run of keys a query sees
+    cos: torch.Tensor | None = None  # (B, T, R) RoPE tables in the activations' dtype, set by the model
     sin: torch.Tensor | None = None
+    local_cos: torch.Tensor | None = None  # (B, T, R) the sliding layers' tables (Gemma-3), else None
+    local_sin: torch.Tensor | None = None
 
     @classmethod
     def build(cls, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None,
@@ -151,22 +172,36 @@ class BatchPlan:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
         return cls("dense", position_ids, key_padding_mask=key_mask, keys=t)
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """o (B, T, Hq, D) from q (B, T, Hq, D) and k, v (B, T, Hkv, D) of layer ``layer_idx``."""
+    def rope_tables(self, kind: str | None):
+        """(cos, sin) for a layer whose ``config.layer_rope`` is ``kind`` (None: no RoPE)."""
+        if kind is None:
+            return None
+        if kind == "local" and self.local_cos is not None:
+            return self.local_cos, self.local_sin
+        return self.cos, self.sin
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+               sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """o (B, T, Hq, D) from q (B, T, Hq, D) and k, v (B, T, Hkv, D) of layer ``layer_idx``.
+
+        ``sliding_window``: a query sees the keys of the last ``sliding_window`` positions only (its
+        own included); ``softcap``: scores become ``softcap * tanh(s / softcap)`` before the softmax.
+        """
+        extras = dict(sliding_window=sliding_window, softcap=softcap)
         if self.kv_cache is not None:  # write these T keys/values; (B, L, Hkv, D) over the slots so far
             k_all, v_all, key_mask = self.kv_cache.update(layer_idx, k, v)
         if self.mode == "varlen":  # (B*T, H, D): documents never see each other
             b, t, hq, d = q.shape
             o = attention(q.reshape(b * t, hq, d), k.reshape(b * t, -1, d), v.reshape(b * t, -1, d), causal=True,
-                          cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen, softmax_scale=scale)
+                          cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen, softmax_scale=scale, **extras)
             return o.view(b, t, hq, d)
         if self.mode == "cache":  # keys are the cache up to and including these T tokens
-            return attention(q, k_all, v_all, causal=True, softmax_scale=scale, key_padding_mask=key_mask)
-        return attention(q, k, v, causal=True, softmax_scale=scale, key_padding_mask=self.key_padding_mask)
+            return attention(q, k_all, v_all, causal=True, softmax_scale=scale, key_padding_mask=key_mask, **extras)
+        return attention(q, k, v, causal=True, softmax_scale=scale, key_padding_mask=self.key_padding_mask, **extras)
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention with RoPE; q/k/v/o are plain ``nn.Linear``."""
+    """Grouped-query self-attention with RoPE; q/k/v/o (or Phi-3's fused qkv_proj) are plain ``nn.Linear``."""
 
     def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
@@ -174,54 +209,112 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        scalar = config.query_pre_attn_scalar
+        self.scale = (scalar if scalar is not None else self.head_dim) ** -0.5
+        self.sliding_window = config.layer_window(layer_idx)
+        self.softcap = config.attn_logit_softcapping
+        self.rope = config.layer_rope(layer_idx)
+        self.fused = config.fused_proj
         h, d = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
+        nq, nkv = self.num_heads * d, self.num_kv_heads * d
+        if self.fused:
+            self.qkv_proj = nn.Linear(h, nq + 2 * nkv, bias=config.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(h, nq, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(h, nkv, bias=config.qkv_bias)
+            self.v_proj = nn.Linear(h, nkv, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(nq, h, bias=config.o_bias)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm is not None:  # "head": over each head's D (Qwen3, Gemma-3); "proj": over Hq*D (OLMo-2)
+            dq, dk = (d, d) if self.qk_norm == "head" else (nq, nkv)
+            norm = dict(offset=config.norm_offset, scale_fp32=config.norm_layout == "post")
+            self.q_norm = RMSNorm(dq, config.rms_norm_eps, **norm)
+            self.k_norm = RMSNorm(dk, config.rms_norm_eps, **norm)
 
     def forward(self, x: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
         b, t, _ = x.shape
         # linear_module: a frozen fp32 projection on CPU runs oneDNN's GEMMs (ftlib.kernels.linear_cpu)
-        q = linear_module(self.q_proj, x).view(b, t, self.num_heads, self.head_dim)  # (B, T, Hq, D)
-        k = linear_module(self.k_proj, x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        v = linear_module(self.v_proj, x).view(b, t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, plan.cos, plan.sin), apply_rope(k, plan.cos, plan.sin)
-        o = plan.attend(self.layer_idx, q, k, v, self.scale)
+        if self.fused:
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = linear_module(self.qkv_proj, x).split((nq, nkv, nkv), dim=-1)
+        else:
+            q, k, v = linear_module(self.q_proj, x), linear_module(self.k_proj, x), linear_module(self.v_proj, x)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)  # (B, T, Hq, D)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        tables = plan.rope_tables(self.rope)
+        if tables is not None:
+            q, k = apply_rope(q, *tables), apply_rope(k, *tables)
+        o = plan.attend(self.layer_idx, q, k, v, self.scale, sliding_window=self.sliding_window, softcap=self.softcap)
         return linear_module(self.o_proj, o.reshape(b, t, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+    """Gated MLP: down_proj(act(gate_proj(x)) * up_proj(x)), act = silu (SwiGLU) or tanh-GELU (GeGLU).
+
+    Phi-3 stores gate and up as one ``gate_up_proj`` ([gate; up] rows), split after the product.
+    """
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.fused = config.fused_proj
+        self.act = config.hidden_act
+        if self.fused:
+            self.gate_up_proj = nn.Linear(h, 2 * i, bias=config.mlp_bias)
+        else:
+            self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+            self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_module(self.down_proj, swiglu(linear_module(self.gate_proj, x), linear_module(self.up_proj, x)))
+        if self.fused:
+            g, u = linear_module(self.gate_up_proj, x).chunk(2, dim=-1)
+        else:
+            g, u = linear_module(self.gate_proj, x), linear_module(self.up_proj, x)
+        h = swiglu(g, u) if self.act == "silu" else F.gelu(g, approximate="tanh") * u
+        return linear_module(self.down_proj, h)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; ``checkpoint_part`` in (None, "block", "attn", "mlp") selects what is recomputed."""
+    """One block, norms placed by ``config.norm_layout`` (see the module docstring).
+
+    ``checkpoint_part`` in (None, "block", "attn", "mlp") selects what is recomputed.
+    """
 
     def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layout = config.norm_layout
+        norm = dict(offset=config.norm_offset, scale_fp32=self.layout == "post")
+        h, eps = config.hidden_size, config.rms_norm_eps
+        if self.layout != "post":
+            self.input_layernorm = RMSNorm(h, eps, **norm)
+        self.post_attention_layernorm = RMSNorm(h, eps, **norm)
+        if self.layout == "sandwich":
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, **norm)
+        if self.layout != "pre":
+            self.post_feedforward_layernorm = RMSNorm(h, eps, **norm)
         self.checkpoint_part: str | None = None
 
     def _attn(self, x: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(x), plan)
+        if self.layout == "pre":
+            return self.self_attn(self.input_layernorm(x), plan)
+        if self.layout == "sandwich":
+            return self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), plan))
+        return self.post_attention_layernorm(self.self_attn(x, plan))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.post_attention_layernorm(x))
+        if self.layout == "pre":
+            return self.mlp(self.post_attention_layernorm(x))
+        if self.layout == "sandwich":
+            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return self.post_feedforward_layernorm(self.mlp(x))
 
     def _block(self, x: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
         h = x + self._attn(x, plan)
@@ -249,7 +342,8 @@ class LlamaModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.norm_offset,
+                            scale_fp32=config.norm_layout == "post")
 
     def forward(
         self,
@@ -262,15 +356,23 @@ class LlamaModel(nn.Module):
         kv_cache: Any = None,
     ) -> torch.Tensor:
         plan = BatchPlan.build(input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen, kv_cache)
-        window = self.config.sliding_window
-        if window is not None and plan.keys > window:
-            raise ValueError(
-                f"sequence of {plan.keys} tokens exceeds sliding_window={window}; ftlib's attention has no "
-                "sliding window, so such sequences would differ from the reference model"
-            )
+        cfg = self.config
         x = self.embed_tokens(input_ids)  # (B, T, H)
-        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling, x.device)
-        plan.cos, plan.sin = rope_cos_sin(inv_freq, plan.position_ids, x.dtype)  # (B, T, D)
+        if cfg.embed_scale:  # Gemma: sqrt(hidden) rounded to the activations' dtype first, as the reference
+            x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
+        kinds = {cfg.layer_rope(i) for i in range(cfg.num_hidden_layers)}
+        scaling = cfg.rope_scaling
+        seq_len = None
+        if scaling is not None and scaling["rope_type"] in ("dynamic", "longrope"):  # depend on the longest position
+            seq_len = int(plan.position_ids.max()) + 1 if plan.position_ids.numel() else 0
+        if "global" in kinds:
+            inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, scaling, x.device, seq_len=seq_len,
+                                     max_position_embeddings=cfg.max_position_embeddings)
+            scale = rope_attention_scaling(scaling, cfg.max_position_embeddings)
+            plan.cos, plan.sin = rope_cos_sin(inv_freq, plan.position_ids, x.dtype, scale)  # (B, T, R)
+        if "local" in kinds:  # Gemma-3's sliding layers: their own base, no scaling
+            inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_local_theta, None, x.device)
+            plan.local_cos, plan.local_sin = rope_cos_sin(inv_freq, plan.position_ids, x.dtype)
         for layer in self.layers:
             x = layer(x, plan)
         if kv_cache is not None:
@@ -335,7 +437,7 @@ class LlamaForCausalLM(nn.Module):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, RMSNorm):
-            nn.init.ones_(m.weight)
+            (nn.init.zeros_ if m.offset else nn.init.ones_)(m.weight)
 
     def tie_weights(self) -> None:
         """Share ``lm_head.weight`` with ``model.embed_tokens.weight`` when the config ties them."""
@@ -370,4 +472,10 @@ class LlamaForCausalLM(nn.Module):
             input_ids, attention_mask=attention_mask, position_ids=position_ids,
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, kv_cache=kv_cache,
         )
-        return linear_module(self.lm_head, hidden)
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``lm_head(hidden)``, soft-capped ``c * tanh(z / c)`` when ``final_logit_softcapping`` is set (Gemma-2)."""
+        z = linear_module(self.lm_head, hidden)
+        cap = self.config.final_logit_softcapping
+        return z if cap is None else torch.tanh(z / cap) * cap

@@ -64,6 +64,12 @@ SEQ_CLS_ARCHITECTURES = {
     "llama": "LlamaForSequenceClassification",
     "qwen2": "Qwen2ForSequenceClassification",
     "mistral": "MistralForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
+    "gemma2": "Gemma2ForSequenceClassification",
+    "gemma3_text": "Gemma3TextForSequenceClassification",
+    "phi3": "Phi3ForSequenceClassification",
+    "olmo2": "Olmo2ForSequenceClassification",
+    "smollm3": "SmolLM3ForSequenceClassification",
 }
 
 

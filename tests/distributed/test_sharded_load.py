@@ -49,13 +49,20 @@ CASES = [
     dict(name="config", source="config", tie=False, dtype="float32", lora=None, seed=5),
     dict(name="config_tied_lora", source="config", tie=True, dtype="float32", lora="lora", seed=11),
     dict(name="config_qlora", source="config", tie=False, dtype="float32", lora="qlora", seed=12),
+    # other families: Phi-3's fused projections under QLoRA, Gemma-2's norms, window and soft-caps
+    dict(name="phi3_qlora", source="checkpoint", store="float32", tie=False, dtype="float32", lora="qlora", seed=13,
+         arch=dict(model_type="phi3", partial_rotary_factor=0.5)),
+    dict(name="gemma2", source="checkpoint", store="float32", tie=True, dtype="float32", lora="lora", seed=14,
+         arch=dict(model_type="gemma2", hidden_act="gelu_pytorch_tanh", sliding_window=4, query_pre_attn_scalar=8.0,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=5.0,
+                   layer_types=["sliding_attention", "full_attention"])),
 ]
 IDS = torch.tensor([[3, 17, 5, 40, 2, 9, 33, 11]])
 
 
 def _reference(case: dict, root: Path) -> None:
     """Write the checkpoint (checkpoint cases) and the one-process tensors and logits of ``case``."""
-    cfg = dict(TINY, tie_word_embeddings=case["tie"])
+    cfg = dict(TINY, tie_word_embeddings=case["tie"], **case.get("arch", {}))
     dtype = getattr(torch, case["dtype"])
     if case["source"] == "checkpoint":
         torch.manual_seed(1000 + len(case["name"]))

@@ -177,7 +177,8 @@ def test_config_hf_dict_round_trip_and_layouts():
 @pytest.mark.parametrize("change,match", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "su", "factor": 4.0}}, "rope_type 'su' is not supported"),
+    ({"layer_types": ["chunked_attention"]}, r"layer_types\[0\] 'chunked_attention' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"hidden_act": "gelu"}, "hidden_act"),
 ])
@@ -191,11 +192,14 @@ def test_config_errors_name_file_and_field(change, match):
         LlamaConfig.from_hf_dict({"model_type": "llama", "vocab_size": 8})
 
 
-def test_sliding_window_longer_sequence_is_refused(make_model):
-    model = make_model("mistral", sliding_window=8)
-    model(torch.randint(0, 128, (1, 8)))
-    with pytest.raises(ValueError, match="sliding_window=8"):
-        model(torch.randint(0, 128, (1, 9)))
+def test_sliding_window_hides_keys_beyond_it(make_model):
+    """Past the window the logits change (keys hidden), before it they equal the full-attention model's."""
+    windowed, full = make_model("mistral", sliding_window=8), make_model("mistral")
+    ids = torch.randint(0, 128, (1, 20))
+    with torch.no_grad():
+        a, b = windowed(ids), full(ids)
+    assert torch.allclose(a[:, :8], b[:, :8], atol=1e-6)
+    assert (a[:, 8:] - b[:, 8:]).abs().amax(-1).min() > 1e-4
 
 
 def test_bad_forward_inputs(make_model):
