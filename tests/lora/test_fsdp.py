@@ -5,8 +5,9 @@ gradient of the mean loss over both ranks' batches, in fp32 and (at bf16 toleran
 a bf16 ``MixedPrecisionPolicy``.
 """
 
-import os
-import socket
+import queue as queue_mod
+import time
+import traceback
 
 import pytest
 import torch
@@ -35,12 +36,12 @@ def _batch(rank):
     return torch.randn(6, 64, generator=torch.Generator().manual_seed(rank))
 
 
-def _worker(rank, port, queue):
+def _worker(rank, store, queue):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
+        # a FileStore: no TCP port to pick (and lose to another process) before rank 0 binds it
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
         out = []
         for mp_policy in (MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                        reduce_dtype=torch.float32)):
@@ -54,32 +55,56 @@ def _worker(rank, port, queue):
             grads = {n: p.grad.full_tensor().float().numpy().copy() for n, p in m.named_parameters() if p.requires_grad}
             out.append((codes.to_local().numel(), codes.full_tensor().numel(), grads))
         queue.put((rank, out))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))  # the test reports the rank and its traceback
+        raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _results(procs, queue, timeout: float) -> list:
+    """Each rank's result; a rank that raised fails the test with its traceback, one that died or hung
+    with its exit code. Every process is gone afterwards."""
+    got, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(got) < len(procs):
+            try:
+                rank, out = queue.get(timeout=1)
+            except queue_mod.Empty:
+                # a rank that exited 0 has put its result (it may still be in the pipe), a failed one its
+                # traceback before it exited: a failed rank without one, or the deadline, ends the wait
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+                if not dead and time.monotonic() < deadline:
+                    continue
+                try:
+                    rank, out = queue.get(timeout=5)
+                except queue_mod.Empty:
+                    raise AssertionError(f"ranks without a result: {dead or 'none exited'} (rank, exit code); "
+                                         f"{timeout:g} s passed: {time.monotonic() > deadline}") from None
+            if isinstance(out, str):
+                raise AssertionError(f"rank {rank} failed:\n{out}")
+            got[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return sorted(got.items())
 
 
-def test_fsdp2_shards_nf4_and_matches_single_process():
+def test_fsdp2_shards_nf4_and_matches_single_process(tmp_path):
     pytest.importorskip("torch.distributed.fsdp")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, tmp_path / "store", queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    try:
-        results = [queue.get(timeout=240) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-    assert all(p.exitcode == 0 for p in procs)
+    results = _results(procs, queue, timeout=240)
 
     ref = _build()
     sum(ref(_batch(r)).pow(2).sum() for r in range(WORLD)).backward()
