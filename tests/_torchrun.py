@@ -37,12 +37,12 @@ def torchrun(script: Path, *args: str, timeout: float = 120.0, nproc: int = 2) -
                "--max_restarts=0", f"--log_dir={logs / 'ranks'}", "--redirects=3", str(script), *args]
         with open(logs / "agent.log", "w+") as f:
             proc = _launch(cmd, f)
-            code = _wait([proc], time.monotonic() + timeout)[0]
+            code = _wait([proc], timeout)[0]
             f.seek(0)
             out = f.read()
         ranks = rank_logs(logs / "ranks")
         if code != 0:
-            what = f"timed out after {timeout:g} s" if code is None else f"torchrun exited with {code}"
+            what = f"timed out after {timeout:g} s (of a core's share, see _share)" if code is None else f"torchrun exited with {code}"
             raise AssertionError(f"{_title(script, args, f'{nproc} rank(s)')}: {what}\n"
                                  + report(out, ranks, offset=0, timed_out=code is None))
         return out + "".join(f"\n--- rank {r} ---\n{text}" for r, text in sorted(ranks.items()))
@@ -94,7 +94,7 @@ def _torchrun_nodes(script: Path, *args: str, nnodes: int, nproc: int, timeout: 
         files = [open(logs / f"agent{i}.log", "w+") for i in range(nnodes)]
         try:
             procs = [_launch(cmd(i), f) for i, f in enumerate(files)]
-            codes = _wait(procs, time.monotonic() + timeout, stop_on_failure=True)
+            codes = _wait(procs, timeout, stop_on_failure=True)
             outs = []
             for f in files:
                 f.seek(0)
@@ -109,7 +109,7 @@ def _torchrun_nodes(script: Path, *args: str, nnodes: int, nproc: int, timeout: 
     if codes[0] not in (None, 0) and re.search(r"EADDRINUSE|address already in use", outs[0], re.I):
         raise _PortTaken(f"port {port} was taken before the rendezvous bound it:\n{_ends(outs[0])}")
     failed = [i for i, c in enumerate(codes) if c not in (None, 0, -signal.SIGKILL)]
-    what = f"node {failed[0]} exited with {codes[failed[0]]}" if failed else f"timed out after {timeout:g} s"
+    what = f"node {failed[0]} exited with {codes[failed[0]]}" if failed else f"timed out after {timeout:g} s (of a core's share)"
     msg = f"{_title(script, args, f'{nnodes} nodes x {nproc}')}: {what}\n"
     for i, (c, o, rk) in enumerate(zip(codes, outs, ranks)):
         state = "still running, killed" if c is None or c == -signal.SIGKILL else f"exit {c}"
@@ -155,14 +155,15 @@ def _kill_tagged(tag: str) -> None:
         time.sleep(0.05)
 
 
-def _wait(procs: list[subprocess.Popen], deadline: float, stop_on_failure: bool = False) -> list[int | None]:
-    """Wait until every process has exited (or, with ``stop_on_failure``, one has failed) or ``deadline``
-    passed; then kill each process group and whatever else the launch started (its ranks, their
-    children: ``_kill_tagged``) and reap the leader. The exit codes, None for a process that
-    was still running (killed here)."""
+def _wait(procs: list[subprocess.Popen], timeout: float, stop_on_failure: bool = False) -> list[int | None]:
+    """Wait until every process has exited (or, with ``stop_on_failure``, one has failed) or ``timeout``
+    (see ``_share``) passed; then kill each process group and whatever else the launch started (its
+    ranks, their children: ``_kill_tagged``) and reap the leader. The exit codes, None for a process
+    that was still running (killed here)."""
     codes: list[int | None] = [None] * len(procs)
+    used, last = 0.0, time.monotonic()
     try:
-        while None in codes and time.monotonic() < deadline:
+        while None in codes and used < timeout:
             for i, p in enumerate(procs):
                 if codes[i] is None:
                     # WNOWAIT: the exited leader stays a zombie, so its process group id cannot be reused
@@ -173,6 +174,8 @@ def _wait(procs: list[subprocess.Popen], deadline: float, stop_on_failure: bool 
             if stop_on_failure and any(c not in (None, 0) for c in codes):
                 break
             time.sleep(0.1)
+            now = time.monotonic()
+            used, last = used + (now - last) * _share(), now
     finally:
         for p in procs:  # also on KeyboardInterrupt: nothing of a launch outlives the test
             try:
@@ -182,6 +185,14 @@ def _wait(procs: list[subprocess.Popen], deadline: float, stop_on_failure: bool 
             _kill_tagged(p.tag)
             p.wait()
     return codes
+
+
+def _share() -> float:
+    """The share of a core a process gets now: 1 up to a load average of one per core, less above it
+    (at least 1/8). A launch's ``timeout`` is counted in such seconds: it guards against a hang, and a
+    machine shared with other work (a CI runner's neighbours, ``pytest -n``) is slow, not hung."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    return 1.0 if load <= cores else max(cores / load, 1 / 8)
 
 
 def rank_logs(log_dir: Path) -> dict[int, str]:

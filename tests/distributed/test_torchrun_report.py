@@ -38,6 +38,19 @@ def test_a_failed_rank_shows_its_exception_and_traceback():
                      ours), msg
 
 
+def test_a_hung_launch_times_out_with_every_rank_killed(tmp_path):
+    """Rank 1 sleeps, rank 0 waits for it: past the timeout the report says so and shows each rank's log,
+    and both ranks are gone (torch elastic starts them in sessions of their own, out of reach of the
+    agent's process group)."""
+    with pytest.raises(AssertionError) as e:
+        torchrun(WORKER, "hang", str(tmp_path), timeout=20)
+    msg = str(e.value)
+    assert re.search(r"_torchrun_report_worker.py hang \S+ on 2 rank\(s\): timed out after 20 s", msg), msg
+    assert re.search(r"rank 1: still running, its log's last lines:\n  \| rank 1 sleeps\n", msg), msg
+    for r in range(2):
+        assert not _alive(int((tmp_path / f"rank-{r}.pid").read_text())), f"rank {r} outlived its launch"
+
+
 def test_nothing_a_launch_started_outlives_it(tmp_path):
     """A rank leaves a sleeping grandchild behind and exits 0: the launch succeeds and the grandchild is
     gone when torchrun() returns (killed with the launch's process group)."""
