@@ -36,12 +36,13 @@ def _batch(rank):
     return torch.randn(6, 64, generator=torch.Generator().manual_seed(rank))
 
 
-def _worker(rank, store, queue):
+def _worker(rank, port, queue):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     try:
-        # a FileStore: no TCP port to pick (and lose to another process) before rank 0 binds it
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+        # the test's store (as torchrun's ranks use the agent's): no port to pick and lose before a rank binds it
+        store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
         out = []
         for mp_policy in (MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                        reduce_dtype=torch.float32)):
@@ -86,8 +87,8 @@ def _results(procs, queue, timeout: float) -> list:
                 raise AssertionError(f"rank {rank} failed:\n{out}")
             got[rank] = out
     finally:
-        for p in procs:
-            p.join(timeout=30)
+        for p in procs:  # a rank done is let exit (slowly on a loaded machine) until the deadline
+            p.join(timeout=max(deadline - time.monotonic(), 5))
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -95,16 +96,18 @@ def _results(procs, queue, timeout: float) -> list:
     return sorted(got.items())
 
 
-def test_fsdp2_shards_nf4_and_matches_single_process(tmp_path):
+def test_fsdp2_shards_nf4_and_matches_single_process():
     pytest.importorskip("torch.distributed.fsdp")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, tmp_path / "store", queue)) for r in range(WORLD)]
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)  # the OS picks the port
+    procs = [ctx.Process(target=_worker, args=(r, store.port, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
     results = _results(procs, queue, timeout=240)
+    del store
 
     ref = _build()
     sum(ref(_batch(r)).pow(2).sum() for r in range(WORLD)).backward()
