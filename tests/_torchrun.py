@@ -30,7 +30,7 @@ def _env() -> dict:
 def torchrun(script: Path, *args: str, timeout: float = 120.0, nproc: int = 2) -> str:
     """Launch ``script *args`` on ``nproc`` ranks (2 CPU ranks, gloo, by default) and return torchrun's
     output followed by every rank's log; a non-zero exit or a run past ``timeout`` fails with the
-    report of ``_report``."""
+    report of ``report``."""
     with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:
         logs = Path(tmp)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

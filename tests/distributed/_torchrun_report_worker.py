@@ -4,6 +4,7 @@ or a messy run.
 ``fail``: rank 1 raises a ValueError from a nested call while rank 0 waits for it in a barrier.
 ``hang OUT``: each rank writes its pid to ``OUT/rank-<rank>.pid``, then rank 1 sleeps for ten minutes
 while rank 0 waits for it in a barrier.
+``ok``: every rank meets the others in a barrier and exits.
 ``orphan OUT``: rank 0 starts a grandchild that would sleep for ten minutes and writes its pid to
 ``OUT/orphan.pid``; both ranks then exit cleanly, leaving it behind.
 """

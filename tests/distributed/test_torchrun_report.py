@@ -70,3 +70,28 @@ def _alive(pid: int) -> bool:
     except (ProcessLookupError, FileNotFoundError):
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_rendezvous_port_taken_meanwhile_is_retried_on_a_fresh_one(monkeypatch):
+    """Another process listens on the port ``free_port`` gave before the first node binds it: that node
+    fails to host the store (it does not join the stranger as a client) and the launch runs again on a
+    fresh port."""
+    import socket
+
+    import _torchrun
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    given, real = [], _torchrun.free_port
+
+    def free_port():
+        given.append(taken.getsockname()[1] if not given else real())
+        return given[-1]
+
+    monkeypatch.setattr(_torchrun, "free_port", free_port)
+    try:
+        outs = _torchrun.torchrun_nodes(WORKER, "ok", nnodes=2, nproc=1, timeout=120)
+    finally:
+        taken.close()
+    assert len(outs) == 2 and len(given) == 2, given  # the taken port, then a fresh one that worked
