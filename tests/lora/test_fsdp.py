@@ -5,8 +5,9 @@ gradient of the mean loss over both ranks' batches, in fp32 and (at bf16 toleran
 a bf16 ``MixedPrecisionPolicy``.
 """
 
-import os
-import socket
+import queue as queue_mod
+import time
+import traceback
 
 import pytest
 import torch
@@ -38,9 +39,10 @@ def _batch(rank):
 def _worker(rank, port, queue):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
+        # the test's store (as torchrun's ranks use the agent's): no port to pick and lose before a rank binds it
+        store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
         out = []
         for mp_policy in (MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                        reduce_dtype=torch.float32)):
@@ -54,14 +56,44 @@ def _worker(rank, port, queue):
             grads = {n: p.grad.full_tensor().float().numpy().copy() for n, p in m.named_parameters() if p.requires_grad}
             out.append((codes.to_local().numel(), codes.full_tensor().numel(), grads))
         queue.put((rank, out))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))  # the test reports the rank and its traceback
+        raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _results(procs, queue, timeout: float) -> list:
+    """Each rank's result; a rank that raised fails the test with its traceback, one that died or hung
+    with its exit code. Every process is gone afterwards."""
+    got, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(got) < len(procs):
+            try:
+                rank, out = queue.get(timeout=1)
+            except queue_mod.Empty:
+                # a rank that exited 0 has put its result (it may still be in the pipe), a failed one its
+                # traceback before it exited: a failed rank without one, or the deadline, ends the wait
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+                if not dead and time.monotonic() < deadline:
+                    continue
+                try:
+                    rank, out = queue.get(timeout=5)
+                except queue_mod.Empty:
+                    raise AssertionError(f"ranks without a result: {dead or 'none exited'} (rank, exit code); "
+                                         f"{timeout:g} s passed: {time.monotonic() > deadline}") from None
+            if isinstance(out, str):
+                raise AssertionError(f"rank {rank} failed:\n{out}")
+            got[rank] = out
+    finally:
+        for p in procs:  # a rank done is let exit (slowly on a loaded machine) until the deadline
+            p.join(timeout=max(deadline - time.monotonic(), 5))
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return sorted(got.items())
 
 
 def test_fsdp2_shards_nf4_and_matches_single_process():
@@ -70,16 +102,12 @@ def test_fsdp2_shards_nf4_and_matches_single_process():
         pytest.skip("needs torch.distributed with gloo")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(WORLD)]
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)  # the OS picks the port
+    procs = [ctx.Process(target=_worker, args=(r, store.port, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    try:
-        results = [queue.get(timeout=240) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-    assert all(p.exitcode == 0 for p in procs)
+    results = _results(procs, queue, timeout=240)
+    del store
 
     ref = _build()
     sum(ref(_batch(r)).pow(2).sum() for r in range(WORLD)).backward()
