@@ -22,7 +22,8 @@ Killed? Run the same command with --resume: it continues from the newest complet
 resume with a setting that changes the run (--lr, --clip, --qlora, ...) is refused, naming each
 change old -> new, unless ``--override lr,clip`` says to take the new values; run.json records
 every resume and its overrides. On another number of ranks it continues exactly when the global
-batch (--batch-size x ranks x --grad-accum) is kept, and is refused otherwise.
+batch (--batch-size x ranks x --grad-accum) is kept (an --engine fsdp checkpoint on one process too), and is
+refused otherwise, naming the --grad-accum that keeps it.
 
 Several GPUs: launch the same script with ``torchrun --nproc_per_node=N``. The loader shards the
 data by rank and the loss is normalised by the target tokens of the whole window on all ranks.
@@ -151,7 +152,7 @@ SETTINGS = ("model", "kind", "chat_template", "seq_len", "batch_size", "grad_acc
             "augment_swap_prob", "augment_mask_prob", "augment_mask_token", "neftune_alpha", "lenient", "early_stop",
             "early_stop_delta")
 FIXED = ("model", "kind", "chat_template", "seq_len", "lora_r", "lora_alpha", "targets", "rslora", "dora",
-         "eval_split", "seed", "precision", "data_fingerprint", "checkpoint_layout")
+         "eval_split", "seed", "precision", "data_fingerprint")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -647,7 +648,7 @@ def main(argv=None):
     sched = LRScheduler(opt.optimizer, schedule)
     sharded = args.engine == "fsdp"
     settings = run_settings(vars(args), SETTINGS, out=out) | {
-        "chat_template": template.text if template else None, "precision": precision, "data_fingerprint": data_fp, "checkpoint_layout": "sharded" if sharded else "one-process"}
+        "chat_template": template.text if template else None, "precision": precision, "data_fingerprint": data_fp}
     try:  # weights, optimizer, schedule, clipper, loader position, RNG; settings compared with the saved run's
         resumed = resume_train_state(out / "checkpoints", resume=args.resume, settings=settings, overrides=args.override,
                                      fixed=FIXED, plan=plan, seed=args.seed, sharded=sharded, log=log,
