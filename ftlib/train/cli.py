@@ -279,14 +279,17 @@ def train_loader(docs, *, batch_size: int, seq_len: int, world_size: int | None 
     from ..data import TokenLoader
     from ..data.packing import pack
 
-    world = world_size or get_world_size()
-    lengths = np.asarray(docs.lengths, dtype=np.int64)
-    rows = pack(lengths, seq_len, kw.get("overflow", "split"), kw.get("pack_backend")).n_rows if len(lengths) else 0
-    if rows < batch_size * world:
-        raise FlagError(f"--batch-size {batch_size}: the training data packs into {rows} rows of --seq-len {seq_len}, "
-                        f"fewer than one batch of {batch_size} x {world} rank(s): lower --batch-size (at most "
-                        f"{rows // world} here) or add data")
-    return TokenLoader(docs, batch_size=batch_size, seq_len=seq_len, world_size=world_size, packing=True, **kw)
+    try:
+        return TokenLoader(docs, batch_size=batch_size, seq_len=seq_len, world_size=world_size, packing=True, **kw)
+    except ValueError:  # which one: the rows are packed again only on this path
+        world = world_size or get_world_size()
+        lengths = np.asarray(docs.lengths, dtype=np.int64)
+        rows = pack(lengths, seq_len, kw.get("overflow", "split"), kw.get("pack_backend")).n_rows if len(lengths) else 0
+        if rows >= batch_size * world:
+            raise
+    raise FlagError(f"--batch-size {batch_size}: the training data packs into {rows} rows of --seq-len {seq_len}, "
+                    f"fewer than one batch of {batch_size} x {world} rank(s): lower --batch-size (at most "
+                    f"{rows // world} here) or add data")
 
 
 def _target_counts(docs):
