@@ -104,6 +104,7 @@ from ftlib.train import (
     check_output_flags,
     copy_tokenizer_files,
     cpu_threads,
+    eval_intervals,
     open_loggers,
     parse_with_config,
     pick_precision,
@@ -388,8 +389,7 @@ def main(argv=None):
     # 4. optimizer (mean over the pairs of a step), clipper, schedule; checkpoints; resume; loop
     pairs_per_step = args.batch_size * args.grad_accum
     total = args.max_steps or max(1, args.epochs * len(train) // pairs_per_step)
-    save_every = args.save_every if args.save_every is not None else max(1, total // 10)
-    eval_every = args.eval_every if args.eval_every is not None else save_every
+    save_every, eval_every = eval_intervals(total, save_every=args.save_every, eval_every=args.eval_every)
     opt = TrainOptimizer(make_adamw(param_groups(model, lr=args.lr, weight_decay=args.weight_decay), lr=args.lr,
                                     weight_decay=args.weight_decay), precision=precision, fallback=fallback)
 
