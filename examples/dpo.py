@@ -78,7 +78,7 @@ from ftlib.data import (
     pair_tokens,
     render_chat,
 )
-from ftlib.data.cli import FlagError, FlagParser, data_error_message
+from ftlib.data.cli import FlagError, FlagParser, data_error_message, number, whole
 from ftlib.data.templates import resolve_chat_template
 from ftlib.distributed import init_distributed, wrap_ddp
 from ftlib.evaluation import exact_match as greedy_exact_match
@@ -109,6 +109,7 @@ from ftlib.train import (
     cpu_threads,
     open_loggers,
     parse_with_config,
+    pick_precision,
     plan_steps,
     resume_train_state,
     run_extra,
@@ -156,10 +157,10 @@ def build_parser() -> FlagParser:
             a.help = "steps between held-out evals during training (default: off; before and after always run)"
     g = p.add_argument_group("preference optimization")
     g.add_argument("--sft-adapter", help="PEFT adapter merged into the base first (the SFT model = the reference)")
-    g.add_argument("--max-length", type=int, default=None, help="prompt + one response, in tokens (1024; demo 64)")
-    g.add_argument("--max-prompt-length", type=int, default=None, help="cap on the prompt (default: none)")
-    g.add_argument("--seq-len", type=int, default=None, help="packed row length (default 2 x --max-length)")
-    g.add_argument("--lora-plus", type=float, default=None, help="LoRA+ ratio: lr of B = ratio * lr")
+    g.add_argument("--max-length", type=whole(1), default=None, help="prompt + one response, in tokens (1024; demo 64)")
+    g.add_argument("--max-prompt-length", type=whole(1), default=None, help="cap on the prompt (default: none)")
+    g.add_argument("--seq-len", type=whole(1), default=None, help="packed row length (default 2 x --max-length)")
+    g.add_argument("--lora-plus", type=number(0, above=True), default=None, help="LoRA+ ratio: lr of B = ratio * lr")
     g.add_argument("--loss", choices=LOSS_KINDS, default="sigmoid")
     g.add_argument("--beta", type=float, default=None,
                    help="beta (0.1; demo 0.5); for orpo the weight lambda of the odds term")
@@ -181,11 +182,11 @@ def build_parser() -> FlagParser:
     g.add_argument("--filter-decay", type=float, default=0.95)
     g.add_argument("--filter-every", type=int, default=100, help="optimizer steps between threshold decays")
     g.add_argument("--filter-floor", type=float, default=0.05)
-    g.add_argument("--eval-generate", type=int, default=64, help="held-out prompts to generate for exact match (0: off)")
+    g.add_argument("--eval-generate", type=whole(0), default=64, help="held-out prompts to generate for exact match (0: off)")
     g = p.add_argument_group("adapter")
-    g.add_argument("--lora-r", type=int, default=16)
-    g.add_argument("--lora-alpha", type=float, default=32.0)
-    g.add_argument("--lora-dropout", type=float, default=0.0,
+    g.add_argument("--lora-r", type=whole(1), default=16)
+    g.add_argument("--lora-alpha", type=number(0, above=True), default=32.0)
+    g.add_argument("--lora-dropout", type=number(0, 1, below=True), default=0.0,
                    help="default 0: dropout would make the policy log-probs noisy against the dropout-free reference")
     g.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
     g.add_argument("--rslora", action="store_true")
@@ -216,13 +217,6 @@ def parse_args(argv=None):
     for k, unset in NOT_HERE.items():
         if getattr(args, k) != unset:
             p.error(f"--{k.replace('_', '-')} is not available in dpo.py")
-    for name in ("batch_size", "grad_accum", "epochs", "max_steps", "lora_r", "threads", "max_length", "seq_len",
-                 "num_proc"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("save_every", "eval_every", "eval_generate"):
-        if (getattr(args, name) or 0) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.eval_every and not args.eval_data:
         p.error("--eval-every evaluates the held-out pairs: pass --eval-data FILE")
     check_output_flags(p, args)
@@ -305,7 +299,10 @@ def main(argv=None):
     torch.manual_seed(args.seed + rank)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    try:
+        precision = pick_precision(args.precision, device)
+    except FlagError as e:
+        usage_error(str(e))
     log = print if rank == 0 else (lambda *a, **k: None)
     if device.type == "cpu":  # the usable cores less the loader workers, at most 8 (ftlib.train.cpu_threads)
         try:

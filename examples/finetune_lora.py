@@ -22,7 +22,8 @@ Killed? Run the same command with --resume: it continues from the newest complet
 resume with a setting that changes the run (--lr, --clip, --qlora, ...) is refused, naming each
 change old -> new, unless ``--override lr,clip`` says to take the new values; run.json records
 every resume and its overrides. On another number of ranks it continues exactly when the global
-batch (--batch-size x ranks x --grad-accum) is kept, and is refused otherwise.
+batch (--batch-size x ranks x --grad-accum) is kept (an --engine fsdp checkpoint on one process too), and is
+refused otherwise, naming the --grad-accum that keeps it.
 
 Several GPUs: launch the same script with ``torchrun --nproc_per_node=N``. The loader shards the
 data by rank and the loss is normalised by the target tokens of the whole window on all ranks.
@@ -81,7 +82,6 @@ from ftlib.data import (
     SkipReport,
     TokenLoader,
     build_cache,
-    heldout_split,
     iter_records,
     open_cache,
     render_chat,
@@ -115,16 +115,23 @@ from ftlib.train import (
     add_model_flags,
     add_output_flags,
     check_output_flags,
+    check_targets,
     copy_tokenizer_files,
     cpu_threads,
+    eval_intervals,
+    number,
     open_loggers,
     parse_with_config,
+    pick_precision,
     plan_steps,
     resume_train_state,
     run_extra,
     run_settings,
     save_merged,
     seed_everything,
+    split_heldout,
+    train_loader,
+    whole,
     write_run_manifest,
 )
 
@@ -145,7 +152,7 @@ SETTINGS = ("model", "kind", "chat_template", "seq_len", "batch_size", "grad_acc
             "augment_swap_prob", "augment_mask_prob", "augment_mask_token", "neftune_alpha", "lenient", "early_stop",
             "early_stop_delta")
 FIXED = ("model", "kind", "chat_template", "seq_len", "lora_r", "lora_alpha", "targets", "rslora", "dora",
-         "eval_split", "seed", "precision", "data_fingerprint", "checkpoint_layout")
+         "eval_split", "seed", "precision", "data_fingerprint")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,12 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_loop_flags(p)
     add_eval_flags(p)
     add_output_flags(p)
-    p.add_argument("--seq-len", type=int, default=None, help="packed row length (default 2048; demo 256)")
+    p.add_argument("--seq-len", type=whole(1), default=None, help="packed row length (default 2048; demo 256)")
     g = p.add_argument_group("adapter")
-    g.add_argument("--lora-plus", type=float, default=None, help="LoRA+ ratio: lr of B = ratio * lr")
-    g.add_argument("--lora-r", type=int, default=None, help="adapter rank (16; demo 64)")
-    g.add_argument("--lora-alpha", type=float, default=None, help="adapter scale numerator (32; demo 256)")
-    g.add_argument("--lora-dropout", type=float, default=0.05)
+    g.add_argument("--lora-plus", type=number(0, above=True), default=None, help="LoRA+ ratio: lr of B = ratio * lr")
+    g.add_argument("--lora-r", type=whole(1), default=None, help="adapter rank (16; demo 64)")
+    g.add_argument("--lora-alpha", type=number(0, above=True), default=None, help="adapter scale numerator (32; demo 256)")
+    g.add_argument("--lora-dropout", type=number(0, 1, below=True), default=0.05)
     g.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
     g.add_argument("--rslora", action="store_true")
     g.add_argument("--dora", action="store_true")
@@ -172,28 +179,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine", choices=["none", "ddp", "fsdp"], default=None,
                    help="none: one process; ddp: replicate, average gradients; fsdp: shard (FSDP2/HSDP). "
                         "Default: none, ddp under torchrun")
-    g.add_argument("--shard-size", type=int, default=None,
+    g.add_argument("--shard-size", type=whole(1), default=None,
                    help="fsdp: HSDP, shard within groups of this many ranks (a node), replicate across groups")
     g.add_argument("--cpu-offload", action="store_true", help="fsdp: parameters, gradients, optimizer state on the host")
     g.add_argument("--no-reshard-after-forward", action="store_true",
                    help="fsdp: keep gathered weights from forward to backward (more memory, less communication)")
     g.add_argument("--compression", choices=["fp16", "bf16", "powersgd"], default=None, help="ddp gradient compression")
     g = p.add_argument_group("this script")
-    g.add_argument("--eval-generate", type=int, default=None,
+    g.add_argument("--eval-generate", type=whole(0), default=None,
                    help="answer this many --eval-data chat records by greedy generation and report exact match "
                         "before and after training (0: off; demo: all 64)")
-    g.add_argument("--eval-max-new-tokens", type=int, default=32, help="generation length (--eval-generate, samples)")
-    g.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known GPUs)")
+    g.add_argument("--eval-max-new-tokens", type=whole(1), default=32, help="generation length (--eval-generate, samples)")
+    g.add_argument("--peak-tflops", type=number(0, above=True), default=None, help="device peak for MFU (default: known GPUs)")
     g.add_argument("--save-merged", action="store_true", help="also write a merged bf16 HF checkpoint")
     g.add_argument("--demo", action="store_true", help="tiny model + data built on the fly")
     # On-device augmentation of each batch (see setup_augmentation at the end of this file).
     g.add_argument("--augment", action="store_true", help="synonym swap + masking of target tokens on the device")
     g.add_argument("--augment-lexicon", default=str(Path(__file__).resolve().parent / "demo_lexicon"),
                    help="folder with synonyms.tsv (+ pos.tsv); default: the demo lexicon")
-    g.add_argument("--augment-swap-prob", type=float, default=0.15)
-    g.add_argument("--augment-mask-prob", type=float, default=0.05)
+    g.add_argument("--augment-swap-prob", type=number(0, 1), default=0.15)
+    g.add_argument("--augment-mask-prob", type=number(0, 1), default=0.05)
     g.add_argument("--augment-mask-token", help="mask token (default: the tokenizer's unk token)")
-    g.add_argument("--neftune-alpha", type=float, default=None, help="NEFTune embedding noise (5-15 typical)")
+    g.add_argument("--neftune-alpha", type=number(0), default=None, help="NEFTune embedding noise (5-15 typical)")
     return p
 
 
@@ -209,16 +216,8 @@ def parse_args(argv=None):
         parser.error("--out is required (the run's folder)")
     if not args.demo and (args.model is None or args.data is None):
         parser.error("--model and --data are required (or use --demo)")
-    if not 0.0 <= args.eval_split < 1.0:
-        parser.error(f"--eval-split must be in [0, 1), got {args.eval_split}")
     if args.eval_data and args.eval_split:
         parser.error("give --eval-data or --eval-split, not both")
-    for name in ("save_every", "eval_every", "eval_generate", "early_stop", "sample_every", "sample_prompts"):
-        if (getattr(args, name) or 0) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0")
-    for name in ("seq_len", "batch_size", "grad_accum", "epochs", "max_steps", "lora_r", "threads", "num_proc"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     eval_records = args.eval_data or (args.demo and not args.eval_split)  # the demo brings its held-out file
     if (args.eval_generate or args.sample_every) and not eval_records:
         flag = "--eval-generate" if args.eval_generate else "--sample-every"
@@ -405,12 +404,18 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
     if rank == 0 and any(reports.values()):  # every skip, where the run's other records are
         (out / "skipped.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=1) + "\n")
     train_docs, eval_docs = caches["train"], caches.get("eval")
-    if args.eval_split:  # a fixed, seeded split of the training documents
-        train_docs, eval_docs = heldout_split(train_docs, args.eval_split, seed=args.seed)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    loader = TokenLoader(train_docs, batch_size=args.batch_size, seq_len=args.seq_len, pad_id=pad_id, packing=True,
-                         seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda",
-                         weights=weights)
+    try:  # settings that parse but leave nothing to train on are refused here, naming the flag
+        check_targets(train_docs, seq_len=args.seq_len)
+        if args.eval_split:  # a fixed, seeded split of the training documents
+            train_docs, eval_docs = split_heldout(train_docs, args.eval_split, seed=args.seed)
+        if eval_docs is not None:
+            check_targets(eval_docs, seq_len=args.seq_len, flag="the held-out split" if args.eval_split else "--eval-data")
+        loader = train_loader(train_docs, batch_size=args.batch_size, seq_len=args.seq_len, pad_id=pad_id,
+                              seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                              weights=weights)
+    except FlagError as e:
+        usage_error(str(e))
     eval_loader = None
     if eval_docs is not None:  # every held-out document exactly once, in a fixed order
         eval_loader = TokenLoader(eval_docs, batch_size=args.batch_size, seq_len=args.seq_len, pad_id=pad_id,
@@ -551,7 +556,10 @@ def main(argv=None):
     check_engine(args, world)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    try:
+        precision = pick_precision(args.precision, device)
+    except FlagError as e:
+        usage_error(str(e))
     log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
     if device.type == "cpu":
         # The demo's ops are too small to gain from a second thread, and on a busy 2-core CPU two
@@ -624,8 +632,11 @@ def main(argv=None):
     total = plan.total
     if args.max_steps and args.max_steps > plan.steps_per_epoch * args.epochs:
         log(f"--max-steps {args.max_steps} overrides --epochs {args.epochs} ({plan.steps_per_epoch} steps per epoch)")
-    save_every = args.save_every if args.save_every is not None else max(1, total // 10)
-    eval_every = args.eval_every if args.eval_every is not None else save_every
+    try:
+        save_every, eval_every = eval_intervals(total, save_every=args.save_every, eval_every=args.eval_every,
+                                                early_stop=args.early_stop, evaluates=eval_loader is not None)
+    except FlagError as e:
+        usage_error(str(e))
     groups = param_groups(model, lr=args.lr, weight_decay=args.weight_decay, lora_plus_ratio=args.lora_plus)
     opt = TrainOptimizer(make_adamw(groups, lr=args.lr, weight_decay=args.weight_decay), precision=precision)
     clipper = GlobalNormClipper(args.clip)
@@ -637,7 +648,7 @@ def main(argv=None):
     sched = LRScheduler(opt.optimizer, schedule)
     sharded = args.engine == "fsdp"
     settings = run_settings(vars(args), SETTINGS, out=out) | {
-        "chat_template": template.text if template else None, "precision": precision, "data_fingerprint": data_fp, "checkpoint_layout": "sharded" if sharded else "one-process"}
+        "chat_template": template.text if template else None, "precision": precision, "data_fingerprint": data_fp}
     try:  # weights, optimizer, schedule, clipper, loader position, RNG; settings compared with the saved run's
         resumed = resume_train_state(out / "checkpoints", resume=args.resume, settings=settings, overrides=args.override,
                                      fixed=FIXED, plan=plan, seed=args.seed, sharded=sharded, log=log,

@@ -69,7 +69,7 @@ from ftlib._atomic import atomic_write
 from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
 from ftlib.data import DataError, PairConfig, SkipReport, iter_records, render_chat
-from ftlib.data.cli import FlagError, FlagParser, data_error_message
+from ftlib.data.cli import FlagError, FlagParser, data_error_message, number, whole
 from ftlib.data.templates import resolve_chat_template
 from ftlib.lora import (
     LoRAConfig,
@@ -104,8 +104,10 @@ from ftlib.train import (
     check_output_flags,
     copy_tokenizer_files,
     cpu_threads,
+    eval_intervals,
     open_loggers,
     parse_with_config,
+    pick_precision,
     resume_train_state,
     run_extra,
     run_settings,
@@ -138,14 +140,14 @@ def build_parser() -> FlagParser:
     g = p.add_argument_group("this script")
     g.add_argument("--score-pairs", nargs="*", default=None,
                    help="pairs files to write again with rewards (default: --data and --eval-data)")
-    g.add_argument("--max-length", type=int, default=2048, help="longer documents are skipped and counted")
-    g.add_argument("--restart-cycles", type=int, default=2, help="--schedule restarts: equal cosine cycles")
-    g.add_argument("--decay-rank", type=int, default=None, help="shrink every LoRA rank to this at --decay-at")
-    g.add_argument("--decay-at", type=float, default=0.5, help="fraction of the steps at which ranks shrink")
-    g.add_argument("--offload-blocks", type=int, default=0, help="offload the activations of the last K blocks")
+    g.add_argument("--max-length", type=whole(1), default=2048, help="longer documents are skipped and counted")
+    g.add_argument("--restart-cycles", type=whole(1), default=2, help="--schedule restarts: equal cosine cycles")
+    g.add_argument("--decay-rank", type=whole(1), default=None, help="shrink every LoRA rank to this at --decay-at")
+    g.add_argument("--decay-at", type=number(0, 1), default=0.5, help="fraction of the steps at which ranks shrink")
+    g.add_argument("--offload-blocks", type=whole(0), default=0, help="offload the activations of the last K blocks")
     g.add_argument("--margin-field", default=None, help="record field holding a per-pair margin (Llama 2)")
-    g.add_argument("--lora-r", type=int, default=16)
-    g.add_argument("--lora-alpha", type=float, default=32.0)
+    g.add_argument("--lora-r", type=whole(1), default=16)
+    g.add_argument("--lora-alpha", type=number(0, above=True), default=32.0)
     g.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
     g.add_argument("--fallback", choices=["bf16", "fp32"], default=None,
                    help="with --precision fp16: switch to this after 10 overflow skips within 100 steps")
@@ -172,12 +174,6 @@ def parse_args(argv=None):
     for k, unset in NOT_HERE.items():
         if getattr(args, k) != unset:
             p.error(f"--{k.replace('_', '-')} is not available in reward_model.py (see finetune_lora.py)")
-    for name in ("batch_size", "grad_accum", "epochs", "max_steps", "lora_r", "threads", "max_length"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("save_every", "eval_every"):
-        if (getattr(args, name) or 0) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.resume and args.decay_rank is not None:
         p.error("--resume with --decay-rank is not supported: the adapter's ranks change during the run, so a "
                 "checkpoint does not fit a fresh model; run without --decay-rank, or start again")
@@ -320,7 +316,10 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    precision, fallback = args.precision or ("auto" if device.type == "cuda" else "fp32"), args.fallback
+    try:
+        precision, fallback = pick_precision(args.precision, device, cuda_default="auto"), args.fallback
+    except FlagError as e:
+        usage_error(str(e))
     if precision == "auto":  # bf16 where the GPU has it, else fp16 falling back to fp32 on overflows
         precision, fallback = resolve_precision(device.type, args.fallback)
     if device.type == "cpu":  # the usable cores, at most 8 (ftlib.train.cpu_threads); no loader workers here
@@ -390,8 +389,7 @@ def main(argv=None):
     # 4. optimizer (mean over the pairs of a step), clipper, schedule; checkpoints; resume; loop
     pairs_per_step = args.batch_size * args.grad_accum
     total = args.max_steps or max(1, args.epochs * len(train) // pairs_per_step)
-    save_every = args.save_every if args.save_every is not None else max(1, total // 10)
-    eval_every = args.eval_every if args.eval_every is not None else save_every
+    save_every, eval_every = eval_intervals(total, save_every=args.save_every, eval_every=args.eval_every)
     opt = TrainOptimizer(make_adamw(param_groups(model, lr=args.lr, weight_decay=args.weight_decay), lr=args.lr,
                                     weight_decay=args.weight_decay), precision=precision, fallback=fallback)
 

@@ -20,6 +20,9 @@ For each training prompt x (a conversation ending with a user turn):
 
 So a pair's two sides never hold the same text (after whitespace normalisation) and the chosen side
 always scores strictly higher. A prompt whose candidates all score the same gives no pair (counted).
+A NaN score ranks nothing: that answer (or reference) is neither chosen nor rejected, counted in
+``nan_scores``; a prompt whose every model answer scored NaN is counted in ``nan_prompts``, not as
+a prompt without a mistake (``no_pair``).
 
 Held-out prompts. ``exclude`` lists prompts that must never reach training (the held-out set): a
 training prompt whose user turns equal those of an excluded prompt (contents whitespace-normalised;
@@ -34,6 +37,7 @@ atomically; ``ftlib.data.pairs.build_pair_cache`` tokenizes that file into the p
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -86,6 +90,8 @@ class OnPolicyStats:
     excluded_prompts: int = 0  # held-out prompts skipped (strict=False)
     greedy_best: int = 0  # prompts whose greedy answer scores as high as any candidate (and the reference)
     no_pair: int = 0  # prompts whose candidates all score the same (no mistake to learn from)
+    nan_scores: int = 0  # answers and references scored NaN by score_fn: never chosen or rejected
+    nan_prompts: int = 0  # prompts whose every model answer scored NaN (no pair, and not counted in no_pair)
     reference_chosen: int = 0  # pairs whose chosen side is the reference answer
     pairs: int = 0
 
@@ -230,6 +236,8 @@ def build_onpolicy_pairs(model, tokenizer, prompts: Sequence[list[dict]], score_
     for o, a, s in zip(owner, flat_a, scores):
         if o >= 0:
             per[o].append(s)
+        elif math.isnan(s):
+            stats.nan_scores += 1
         else:
             ref_score[-1 - o] = (a, s)
 
@@ -239,23 +247,28 @@ def build_onpolicy_pairs(model, tokenizer, prompts: Sequence[list[dict]], score_
         if not cands[j]:
             stats.no_pair += 1
             continue
-        sc = per[j]
+        scored = [k for k, v in enumerate(per[j]) if not math.isnan(v)]  # NaN ranks nothing: left out, counted
+        stats.nan_scores += len(per[j]) - len(scored)
+        if not scored:
+            stats.nan_prompts += 1
+            continue
+        mine, sc = [cands[j][k] for k in scored], [per[j][k] for k in scored]
         best = max(range(len(sc)), key=lambda k: (sc[k], -k))  # ties: the earlier (greedy first)
-        chosen, chosen_score, chosen_from = cands[j][best][0], sc[best], cands[j][best][1]
+        chosen, chosen_score, chosen_from = mine[best][0], sc[best], mine[best][1]
         if j in ref_score and ref_score[j][1] > chosen_score:
             chosen, chosen_score, chosen_from = ref_score[j][0], ref_score[j][1], "reference"
-        if cands[j][0][1] == "greedy" and sc[0] >= chosen_score:
+        if mine[0][1] == "greedy" and sc[0] >= chosen_score:
             stats.greedy_best += 1
         losers = [k for k in range(len(sc)) if sc[k] < chosen_score - cfg.min_gap
-                  and _norm(cands[j][k][0]) != _norm(chosen)]
-        losers.sort(key=lambda k: (cands[j][k][1] != "greedy", -sc[k], k))
+                  and _norm(mine[k][0]) != _norm(chosen)]
+        losers.sort(key=lambda k: (mine[k][1] != "greedy", -sc[k], k))
         if not losers:
             stats.no_pair += 1
             continue
         for k in losers[: cfg.max_pairs_per_prompt]:
-            records.append({"messages": [dict(m) for m in prompts[i]], "chosen": chosen, "rejected": cands[j][k][0],
+            records.append({"messages": [dict(m) for m in prompts[i]], "chosen": chosen, "rejected": mine[k][0],
                             "reward_chosen": chosen_score, "reward_rejected": sc[k], "chosen_from": chosen_from,
-                            "rejected_from": cands[j][k][1]})
+                            "rejected_from": mine[k][1]})
             stats.reference_chosen += chosen_from == "reference"
     stats.pairs = len(records)
     return OnPolicyPairs(records, stats, answers)

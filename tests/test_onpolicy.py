@@ -216,3 +216,20 @@ def _fake_answers(mp, greedy, sampled):
         return [a.strip() for a in src]
 
     mp.setattr(onpolicy, "generate_answers", fake)
+
+
+def test_nan_scores_are_counted_as_nan_never_as_prompts_that_all_score_the_same(tok, monkeypatch):
+    """Issue 34, item 6: a scorer returning NaN (a diverged reward model) ranks nothing. Before, every
+    comparison with NaN was False, so such prompts were counted as ``no_pair`` ("all score the same")."""
+    # prompt 0: every answer NaN; prompt 1: one NaN answer beside two scored ones; prompt 2: no NaN
+    _fake_answers(monkeypatch, ["a0", "b0", "c0"], ["a1", "b1", "c1", "d1", "e1", "f1"])
+    table = {"a0": float("nan"), "a1": float("nan"), "b1": float("nan"),
+             "b0": 1.0, "c1": float("nan"), "d1": 0.0,
+             "c0": 1.0, "e1": 0.0, "f1": 2.0}
+    score = lambda ps, answers: [table[a] for a in answers]
+    out = build_onpolicy_pairs(None, tok, _prompts(3), score, chat_template="chatml",
+                               config=OnPolicyConfig(samples=2, max_pairs_per_prompt=5), device="cpu")
+    s = out.stats
+    assert (s.nan_prompts, s.nan_scores, s.no_pair) == (1, 4, 0), s
+    assert sorted((r["chosen"], r["rejected"]) for r in out.records) == [("b0", "d1"), ("f1", "c0"), ("f1", "e1")]
+    assert all(r["reward_chosen"] == r["reward_chosen"] for r in out.records)  # no NaN reaches a record

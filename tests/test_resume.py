@@ -208,3 +208,44 @@ def test_one_process_checkpoint_on_two_ranks_replans_exactly_or_is_refused(asset
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:  # the same units in every step; only the summation order differs
         torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.distributed
+def test_fsdp_checkpoint_resumes_on_one_process_with_the_grad_accum_the_refusal_advises(assets, tmp_path):
+    """Issue 34, item 10: a checkpoint of --engine fsdp on 2 ranks, resumed on one process, is refused
+    with the --grad-accum that keeps the global batch; that advice used to be refused again (the
+    checkpoint's layout was a setting that could not change). Now the advised command resumes: the
+    sharded checkpoint is loaded whole and the data position re-planned, ending where the 2-rank run
+    ends (the same units in every step; only the summation order differs)."""
+    import shutil
+
+    import torch.distributed as dist
+    from _torchrun import torchrun
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("needs torch.distributed with gloo")
+    script = ROOT / "examples" / "finetune_lora.py"
+    full = tmp_path / "full"  # 2 ranks x 2 rows x 1 micro-batch a step, uninterrupted
+    torchrun(script, *_small(assets, full, "--engine", "fsdp", "--grad-accum", "1", "--max-steps", "6", "--keep", "10"),
+             timeout=300)
+    cut = tmp_path / "cut"  # the same run cut after step 2
+    shutil.copytree(full, cut)
+    for p in (cut / "checkpoints").glob("step-*"):
+        if p.name != "step-00000002":
+            shutil.rmtree(p)
+    shutil.rmtree(cut / "adapter")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(SystemExit) as e:  # one process, the same flags: half the global batch
+            _finetune(_small(assets, cut, "--grad-accum", "1", "--max-steps", "6", "--resume"))
+        assert "saved on 2 rank(s)" in str(e.value) and "(--grad-accum 2)" in str(e.value), str(e.value)
+        _, records = _finetune(_small(assets, cut, "--grad-accum", "2", "--max-steps", "6", "--resume"))
+    finally:
+        torch.set_num_threads(n)
+    assert [r["step"] for r in records] == [3, 4, 5, 6]
+    a = load_file(str(full / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4)

@@ -263,3 +263,38 @@ def test_cli_refuses_no_template_and_bad_records_in_one_line_and_lenient_skips(t
     assert [e.step for e in tb.Scalars("train/loss")] == [1, 2]
     assert [e.step for e in tb.Scalars("eval/eval_accuracy")] == [0, 1, 2]
     assert [e.value for e in tb.Scalars("eval/eval_loss")] == pytest.approx([e["eval_loss"] for e in m["evals"]])
+
+
+def test_resume_does_not_warn_about_the_tokenizer_files_ftlib_put_beside_the_checkpoint(tmp_path, monkeypatch):
+    """Issue 34, item 10: every checkpoint folder gets the tokenizer files (so its adapter serves as it is);
+    they are not in the checkpoint's marker, and a resume warned about them (CheckpointWarning, twice).
+    ftlib's own files draw no warning; a file someone else copied in still does, once."""
+    import shutil
+    import warnings
+
+    from ftlib.checkpoint import CheckpointWarning
+
+    rm = _import_reward_model(monkeypatch)
+    n = torch.get_num_threads()
+    common = ["--demo", "--demo-prompts", "4", "--max-steps", "4", "--batch-size", "4", "--save-every", "2",
+              "--threads", "1"]
+    try:
+        rm.main(common + ["--out", str(tmp_path / "run")])
+        ckpts = tmp_path / "run" / "checkpoints"
+        shutil.rmtree(ckpts / "step-00000004")
+        assert (ckpts / "step-00000002" / "tokenizer_config.json").is_file()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rm.main(common + ["--out", str(tmp_path / "run"), "--resume"])
+        assert not [w for w in caught if issubclass(w.category, CheckpointWarning)], [str(w.message) for w in caught]
+        shutil.rmtree(ckpts / "step-00000004")
+        (ckpts / "step-00000002" / "notes.txt").write_text("mine")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rm.main(common + ["--out", str(tmp_path / "run"), "--resume"])
+        stray = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+        assert len(stray) == 1 and "notes.txt" in stray[0] and "tokenizer" not in stray[0], stray
+    finally:
+        torch.set_num_threads(n)
+        sys.modules.pop("reward_model", None)
+        sys.modules.pop("_demo_assets", None)

@@ -56,6 +56,7 @@ __all__ = [
     "MARKER",
     "MODEL_TENSORS",
     "OPTIM_TENSORS",
+    "SERVING_FILES",
     "SHARDS",
     "STATE_JSON",
     "STATE_TENSORS",
@@ -96,6 +97,9 @@ OPTIM_TENSORS = "optimizer.safetensors"
 MODEL_TENSORS = "model.safetensors"
 TRAINABLE_TENSORS = "trainable.safetensors"
 SHARDS = "shards"
+# Written beside a checkpoint's adapter after the save, so the folder serves as it is (the training
+# scripts' ftlib.train.copy_tokenizer_files): unlisted by design, never read by a load, never warned about.
+SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _STEP_RE = re.compile(r"step-(\d{8,})")
 _TMP_RE = re.compile(r"\.tmp-step-\d+-(\d+)(-\d+)*")
 

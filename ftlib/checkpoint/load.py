@@ -49,6 +49,7 @@ from .format import (
     MARKER,
     MODEL_TENSORS,
     OPTIM_TENSORS,
+    SERVING_FILES,
     SHARDS,
     STATE_JSON,
     STATE_TENSORS,
@@ -142,7 +143,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module | None = None, 
     marker = read_marker(path)
     state = read_state(path)
     where = str(path / STATE_JSON)
-    stray = unlisted_files(path, marker)
+    stray = [f for f in unlisted_files(path, marker) if f not in SERVING_FILES]  # ftlib's own: no warning
     if stray and get_rank() == 0:
         warnings.warn(f"{path}: {stray} are not listed in the checkpoint's {MARKER} marker (added after the save); "
                       "they are ignored", CheckpointWarning, stacklevel=2)

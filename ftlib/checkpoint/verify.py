@@ -4,7 +4,8 @@ A step directory passes when its marker is valid (format, version, and the step 
 named for), every file the marker lists exists with its recorded byte size and (``full``)
 SHA-256, and ``state.json`` parses. Files the marker does not list (copied in after the save)
 are not part of the checkpoint: ``unlisted_files`` names them, and loading ignores them with a
-``CheckpointWarning``.
+``CheckpointWarning`` (the tokenizer files ftlib's scripts put beside the adapter, ``SERVING_FILES``,
+are ignored without one).
 
 ``verify_checkpoint`` checks one directory in this process. ``verify_shared`` is the same check
 shared out among the ranks of a torch.distributed job (rank r hashes every W-th file of the

@@ -19,11 +19,17 @@ with :func:`add_format_flags` and turn them into a :class:`~ftlib.data.FormatCon
 :class:`FlagError` whose message names the flag and the way out (:func:`flag_message` rewrites the
 ``FormatConfig.field`` names of the library's own errors into flags); a script passes it to
 ``parser.error`` (one line, exit 2).
+
+Numbers are checked where they are parsed: ``type=whole(1)`` (an integer >= 1) and
+``type=number(0, 1)`` (a finite number in [0, 1]) give argparse's one-line error naming the flag
+(``argument --lr: must be a finite number > 0, got nan``), on the command line and, through the
+same parser, for the values of a ``--config`` file (``ftlib.train.cli.parse_with_config``).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from pathlib import Path
@@ -32,8 +38,7 @@ from .formatting import FormatConfig
 from .templates import ChatTemplate, resolve_chat_template
 
 __all__ = ["FIELD_FLAGS", "FlagError", "FlagParser", "add_format_flags", "data_error_message", "data_sources",
-           "default_num_proc",
-           "flag_message", "format_config_from_args", "load_tokenizer_arg"]
+           "default_num_proc", "flag_message", "format_config_from_args", "load_tokenizer_arg", "number", "whole"]
 
 # FormatConfig field -> the flag that sets it (the library's messages name fields; users know flags)
 FIELD_FLAGS = {"kind": "--kind", "chat_template": "--chat-template", "turn_end": "--turn-end",
@@ -54,6 +59,48 @@ class FlagParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
+
+
+def whole(lo: int | None = None):
+    """An argparse ``type=``: an integer (written as one: ``2``, not ``2.5`` or ``2.0``), at least ``lo``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if lo is not None and value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+
+    parse.__name__ = "whole number"
+    return parse
+
+
+def number(lo: float | None = None, hi: float | None = None, *, above: bool = False, below: bool = False):
+    """An argparse ``type=``: a finite float in ``[lo, hi]`` (``above``: ``> lo``; ``below``: ``< hi``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        bad = not math.isfinite(value) or (lo is not None and (value <= lo if above else value < lo)) or (
+            hi is not None and (value >= hi if below else value > hi))
+        if bad:
+            if lo is not None and hi is not None:
+                want = f"in {'(' if above else '['}{lo:g}, {hi:g}{')' if below else ']'}"
+            elif lo is not None:
+                want = f"{'>' if above else '>='} {lo:g}"
+            elif hi is not None:
+                want = f"{'<' if below else '<='} {hi:g}"
+            else:
+                want = ""
+            raise argparse.ArgumentTypeError(f"must be a finite number{' ' + want if want else ''}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
 
 
 def data_error_message(flag: str, err: Exception, lenient: bool) -> str:
@@ -103,7 +150,7 @@ def add_format_flags(p: argparse.ArgumentParser, *, kinds: tuple[str, ...] = ("c
     g.add_argument("--lenient", action="store_true",
                    help="skip bad records (and unreadable file parts), count and report every skip, instead of "
                         "stopping at the first")
-    g.add_argument("--num-proc", type=int, default=default_num_proc(),
+    g.add_argument("--num-proc", type=whole(1), default=default_num_proc(),
                    help="tokenizer processes (default: half the CPUs, %(default)s here)")
 
 

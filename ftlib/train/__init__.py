@@ -14,7 +14,9 @@ same in every script and must not drift between copies:
 - ``seed``: ``seed_everything``;
 - ``cli``: the flag groups every script shares (``add_model_flags``, ``add_data_flags``, ...),
   ``--config FILE`` (``parse_with_config``), the output flags checked once (``check_output_flags``),
-  the CPU thread default (``cpu_threads``);
+  the CPU thread default (``cpu_threads``), and the settings that parse but cannot train refused
+  before training (``pick_precision``, ``split_heldout``, ``train_loader``, ``check_targets``,
+  ``eval_intervals``);
 - ``loggers``: ``open_loggers``, TensorBoard and W&B behind one interface.
 
 Layer: above ``checkpoint`` and ``distributed`` (a sharded resume imports the latter lazily),
@@ -30,9 +32,16 @@ from .cli import (
     add_model_flags,
     add_output_flags,
     check_output_flags,
+    check_targets,
     cpu_threads,
+    eval_intervals,
     load_config_file,
+    number,
     parse_with_config,
+    pick_precision,
+    split_heldout,
+    train_loader,
+    whole,
 )
 from .export import TOKENIZER_FILES, copy_tokenizer_files, save_merged
 from .loggers import LOGGERS, Loggers, open_loggers
@@ -65,13 +74,17 @@ __all__ = [
     "add_model_flags",
     "add_output_flags",
     "check_output_flags",
+    "check_targets",
     "compare_settings",
     "copy_tokenizer_files",
     "cpu_threads",
+    "eval_intervals",
     "git_commit",
     "load_config_file",
+    "number",
     "open_loggers",
     "parse_with_config",
+    "pick_precision",
     "plan_steps",
     "replan_loader_state",
     "resume_train_state",
@@ -79,5 +92,8 @@ __all__ = [
     "run_settings",
     "save_merged",
     "seed_everything",
+    "split_heldout",
+    "train_loader",
+    "whole",
     "write_run_manifest",
 ]

@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from .._atomic import atomic_write
+from ..checkpoint.format import SERVING_FILES
 
 __all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "save_merged"]
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = SERVING_FILES  # also put beside every checkpoint's adapter: a load ignores them without a warning
 
 
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike, *,

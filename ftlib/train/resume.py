@@ -36,7 +36,9 @@ accumulation but the same ``U``, the step plan (``ftlib.train.plan``: steps per 
 micro-batch steps, so the loader is re-addressed to ``k / (batch_size' x world_size')`` and every
 later optimizer step sums over exactly the units it would have without the interruption. A
 different ``U`` would change the plan and the schedule: refused, naming both world sizes and the
-accumulation that keeps ``U``. Ranks whose RNG state the checkpoint does not hold (a one-process
+accumulation that keeps ``U``: that advice works on any engine, so a sharded (``--engine fsdp``)
+checkpoint resumes on one process too (loaded whole, the data position re-planned), and a
+one-process or DDP checkpoint is refused under a sharded run. Ranks whose RNG state the checkpoint does not hold (a one-process
 checkpoint on several ranks: it holds rank 0's) are reseeded from ``(seed, rank, step)``, with a
 note: dropout masks then differ from an uninterrupted run's.
 """
@@ -52,6 +54,8 @@ from typing import Any
 
 from .._dist import get_rank, get_world_size
 from ..checkpoint import latest_checkpoint, load_checkpoint
+from ..checkpoint.format import CheckpointWarning, read_state
+from ..checkpoint.sharded import KIND as SHARDED_KIND
 from .plan import StepPlan
 from .seed import seed_everything
 
@@ -59,6 +63,8 @@ __all__ = ["ResumeError", "Resumed", "compare_settings", "replan_loader_state", 
            "run_settings"]
 
 RUN_KEY = "run"  # the checkpoint's extra entry written by run_extra
+# settings of earlier ftlib versions that the checkpoint itself now answers (its layout is read from it)
+NOT_COMPARED = ("checkpoint_layout",)
 
 
 class ResumeError(ValueError):
@@ -165,11 +171,16 @@ def replan_loader_state(saved: Mapping[str, Any], loader) -> dict:
 
 
 class _Replanned:
-    """Passed to the checkpoint loader as the loader: re-addresses the saved position, then loads it."""
+    """Passed to the checkpoint loader as the loader: re-addresses the saved position, then loads it.
+    It shows the sharded loader the saved geometry (``world_size``, ``batch_size``, this rank's
+    saved rank), so the position comes through as saved and is re-planned here."""
 
-    def __init__(self, loader):
+    def __init__(self, loader, world_size: int | None = None, batch_size: int | None = None):
         self.loader = loader
         self.saved: dict | None = None
+        self.world_size = int(world_size or loader.world_size)
+        self.batch_size = int(batch_size or loader.batch_size)
+        self.rank = get_rank() % self.world_size
 
     def load_state_dict(self, state: dict) -> None:
         self.saved = dict(state)
@@ -230,7 +241,13 @@ def resume_train_state(root: str | os.PathLike, *, resume: bool, settings: Mappi
             raise ResumeError(f"{root}: no complete checkpoint to resume from (every one failed verification)")
 
     # 1. the settings and batch geometry the checkpoint was written with, before anything is loaded
-    head = load(path, rng=False, verify=False)  # the state file alone; the full load below verifies
+    saved_sharded = read_state(path).get("model_kind") == SHARDED_KIND
+    if sharded and not saved_sharded:
+        raise ResumeError(f"{path} was saved by one process or DDP, not sharded: a sharded run (--engine fsdp) "
+                          "cannot continue it; resume it on one process or with --engine ddp")
+    with warnings.catch_warnings():  # the state file alone; the full load below verifies (and warns once)
+        warnings.simplefilter("ignore", CheckpointWarning)
+        head = load(path, rng=False, verify=False)
     saved_run = head.extra.get(RUN_KEY) or {}
     overrides_taken: dict[str, tuple[Any, Any]] = {}
     saved_world = saved_run.get("world_size")
@@ -238,13 +255,15 @@ def resume_train_state(root: str | os.PathLike, *, resume: bool, settings: Mappi
         warnings.warn(f"{path}: the checkpoint records no run settings (saved by an older ftlib); the settings of "
                       "this run were not compared with the saved run's", stacklevel=2)
     else:
-        saved_settings = dict(saved_run.get("settings", {}))
+        saved_settings = {k: v for k, v in saved_run.get("settings", {}).items() if k not in NOT_COMPARED}
+        settings = {k: v for k, v in settings.items() if k not in NOT_COMPARED}
         geometry = ("batch_size", "grad_accum")
         old_u = saved_settings.get("batch_size", 0) * saved_settings.get("grad_accum", 0) * saved_world
         new_u = settings.get("batch_size", 0) * settings.get("grad_accum", 0) * world
         if old_u != new_u:
             keep = old_u / (settings.get("batch_size", 1) * world)
-            hint = (f"grad_accum {int(keep)} keeps it (--grad-accum {int(keep)}), and the run continues exactly"
+            hint = (f"grad_accum {int(keep)} keeps it (--grad-accum {int(keep)}): the run continues with the same "
+                    "data in every step and the same schedule"
                     if keep == int(keep) and keep >= 1 else "no grad_accum keeps it at this batch size and world size")
             raise ResumeError(
                 f"{path} was saved on {saved_world} rank(s) with {old_u} units per optimizer step (batch_size "
@@ -262,7 +281,7 @@ def resume_train_state(root: str | os.PathLike, *, resume: bool, settings: Mappi
         state = load(path, model=model, optimizer=optimizer, scheduler=scheduler, clipper=clipper, loader=loader)
         rng_restored = True
     else:
-        proxy = _Replanned(loader) if loader is not None else None
+        proxy = (_Replanned(loader, saved_world, saved_run.get("batch_size")) if loader is not None else None)
         state = load(path, model=model, optimizer=optimizer, scheduler=scheduler, clipper=clipper, loader=proxy,
                      rng=same_world, verify=False)
         rng_restored = same_world

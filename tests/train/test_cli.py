@@ -287,3 +287,55 @@ def test_item6_compile_trains_as_eager(user, tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         runs[name] = [x["loss"] for x in metrics(tmp_path / name) if "kind" not in x]
     assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-4)
+
+
+# ---- issue 34, items 6 and 9: settings that parse but cannot train, refused before training -----------
+
+def _five(user, tmp_path) -> Path:
+    good = [ln for ln in user["train"].read_text().splitlines() if '"assistant"' in ln][:5]
+    (tmp_path / "five.jsonl").write_text("\n".join(good) + "\n")
+    return tmp_path / "five.jsonl"
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--lr", "nan"], ["argument --lr", "finite number > 0"]),
+    (["--warmup-ratio", "5"], ["argument --warmup-ratio", "[0, 1]"]),
+    (["--eval-split", "0.999"], ["--eval-split 0.999 holds out 5 of the 5", "lower it"]),
+    (["--batch-size", "64"], ["--batch-size 64", "2 rows", "lower --batch-size (at most 2 here)"]),
+    (["--seq-len", "1"], ["--seq-len 1", "carries loss", "raise --seq-len"]),
+    (["--precision", "fp16"], ["--precision fp16 needs a CUDA GPU", "--precision fp32"]),
+])
+def test_item9_6_bad_numbers_and_impossible_settings_are_one_line_flag_errors_before_training(user, tmp_path, flags,
+                                                                                               needles):
+    if flags[0] == "--precision":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("fp16 runs on the GPU")
+    out = tmp_path / "o"
+    r = train("--model", user["model"], "--data", _five(user, tmp_path), *flags, "--out", out)
+    one_line_error(r, *needles)
+    assert not (out / "adapter").exists() and not (out / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("cfg, needles", [
+    ({"batch_size": 2.5}, ["batch_size=2.5", "--batch-size expected a whole number"]),
+    ({"grad_accum": [2]}, ["grad_accum=[2]", "--grad-accum takes one value"]),
+])
+def test_item9_config_values_are_checked_as_the_flags_are(user, tmp_path, cfg, needles):
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    r = train("--model", user["model"], "--data", _five(user, tmp_path), "--config", tmp_path / "c.json",
+              "--out", tmp_path / "o")
+    one_line_error(r, "--config", *needles)
+
+
+def test_item6_early_stop_with_save_every_0_evaluates_and_can_stop(user, tmp_path):
+    out = tmp_path / "run"
+    r = train("--model", user["model"], "--data", user["train"], "--lenient", "--eval-split", "0.2", "--early-stop",
+              "1", "--early-stop-delta", "100", "--save-every", "0", "--max-steps", "20", "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "early stop at step 4" in r.stdout  # evals every 2 steps (10% of 20): the second one stops the run
+    assert [x["step"] for x in metrics(out) if x.get("kind") == "eval"] == [0, 2, 4]
+    r = train("--model", user["model"], "--data", user["train"], "--lenient", "--eval-split", "0.2", "--early-stop",
+              "1", "--save-every", "0", "--eval-every", "0", "--max-steps", "20", "--out", tmp_path / "never")
+    one_line_error(r, "--early-stop 1 needs 2 held-out evals", "--eval-every 0 evaluates only at the end")

@@ -96,3 +96,70 @@ def test_output_flags_are_normalised_once_and_bad_values_are_one_line_errors(cap
         with pytest.raises(SystemExit) as e:
             check_output_flags(p, p.parse_args(["--out", "o", *argv]))
         assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+# ---- issue 34, item 9: config values go through the flags' own parsing -------------------------------
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"batch_size": 2.5}, "batch_size=2.5: --batch-size expected a whole number, got '2.5'"),
+    ({"grad_accum": [2]}, "grad_accum=[2]: --grad-accum takes one value, not a list"),
+    ({"batch_size": True}, "batch_size=True: not a value --batch-size takes"),
+    ({"lr": "nan"}, "lr='nan': --lr must be a finite number > 0, got nan"),
+    ({"warmup_ratio": 5}, "warmup_ratio=5: --warmup-ratio must be a finite number in [0, 1], got 5"),
+    ({"lenient": "yes"}, "lenient='yes': --lenient is a switch; give true or false"),
+])
+def test_config_values_are_checked_by_the_flags_own_parser(tmp_path, capsys, cfg, needle):
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit) as e:
+        parse_with_config(parser(), ["--config", str(tmp_path / "c.json")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and err.count("\n") == 2, err
+
+
+def test_config_values_come_back_typed_as_the_flags_give_them(tmp_path):
+    cfg = {"batch_size": "4", "lr": 1e-3, "data": "a.jsonl", "report_to": [], "num_workers": 0, "precision": None}
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    a = parse_with_config(parser(), ["--config", str(tmp_path / "c.json")])
+    assert (a.batch_size, a.lr, a.data, a.report_to, a.num_workers, a.precision) == (4, 1e-3, ["a.jsonl"], "", 0, None)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+    (["--lr", "-1"], "argument --lr: must be a finite number > 0, got -1"),
+    (["--warmup-ratio", "5"], "argument --warmup-ratio: must be a finite number in [0, 1], got 5"),
+    (["--eval-split", "1"], "argument --eval-split: must be a finite number in [0, 1), got 1"),
+    (["--clip", "inf"], "argument --clip: must be a finite number > 0, got inf"),
+    (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+])
+def test_numbers_out_of_range_are_one_line_errors_naming_the_flag(capsys, argv, needle):
+    with pytest.raises(SystemExit) as e:
+        parse_with_config(parser(), argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and err.count("\n") == 2, err
+
+
+# ---- issue 34, items 6 and 9: settings that parse but cannot train ----------------------------------
+
+def test_impossible_early_stop_is_refused_and_save_every_0_still_evaluates():
+    from ftlib.train import eval_intervals
+
+    assert eval_intervals(40, save_every=0, eval_every=None, early_stop=1) == (0, 4)  # 10% of the run
+    assert eval_intervals(40, save_every=None, eval_every=None) == (4, 4)
+    with pytest.raises(FlagError, match=r"--early-stop 1 needs 2 held-out evals .* --eval-every 0 evaluates only "
+                                        r"at the end: give --eval-every 39 or less"):
+        eval_intervals(40, save_every=0, eval_every=0, early_stop=1)
+    with pytest.raises(FlagError, match=r"--eval-every 20 evaluates 2 time\(s\) in 40 steps: give --eval-every 19 or less"):
+        eval_intervals(40, save_every=None, eval_every=20, early_stop=2)
+    assert eval_intervals(40, save_every=0, eval_every=0, early_stop=1, evaluates=False) == (0, 0)
+
+
+def test_fp16_on_a_cpu_is_refused_and_the_defaults_are_per_device():
+    import torch
+
+    from ftlib.train import pick_precision
+
+    with pytest.raises(FlagError, match="--precision fp16 needs a CUDA GPU"):
+        pick_precision("fp16", torch.device("cpu"))
+    assert pick_precision(None, torch.device("cpu")) == "fp32"
+    assert pick_precision(None, torch.device("cuda")) == "bf16"
+    assert pick_precision("fp16", torch.device("cuda")) == "fp16"
