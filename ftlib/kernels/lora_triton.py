@@ -254,12 +254,20 @@ _KEYS = {
 }
 
 
+def _untimed(kernel_call, quantiles):
+    """The autotuner's ``do_bench`` with FTLIB_LORA_AUTOTUNE=0: times nothing, runs nothing. The prune has left one
+    configuration then, which Triton 3.9 takes without timing but Triton 3.6 still timed (``do_bench``:
+    ~25 + 100 ms and an L2-flush buffer per kernel and key); the launch that follows compiles and runs it."""
+    return [0.0] * len(quantiles)
+
+
 def _autotune(configs, kind):
     # Keys hold the token count as M_BUCKET, M rounded up to a power of two (it may change every step
     # with dynamic padding): one tuning per layer shape and bucket, not one per distinct M.
     if _INTERPRET:
         return triton.autotune(configs=configs, key=[])
-    return triton.autotune(configs=configs, key=_KEYS[kind], prune_configs_by={"early_config_prune": _prune(kind)})
+    return triton.autotune(configs=configs, key=_KEYS[kind], prune_configs_by={"early_config_prune": _prune(kind)},
+                           do_bench=None if _AUTOTUNE else _untimed)
 
 
 CONFIGS = {"fwd": _FWD_CONFIGS, "down": _DOWN_CONFIGS, "v": _V_CONFIGS, "db": _DB_CONFIGS, "dx": _DX_CONFIGS,
