@@ -55,6 +55,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _summary import append_row, summary  # noqa: E402
+
 import ftlib  # noqa: E402
 from ftlib.data.packing import PackPlan  # noqa: E402
 from ftlib.data.pair_batches import PairLoader, collate_pairs_packed, collate_pairs_padded  # noqa: E402
@@ -283,10 +286,27 @@ def main() -> None:
                    str(args.loader_workers), "--child", v]
             res = subprocess.run(cmd, capture_output=True, text=True)
             line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if res.returncode or line is None:
-                raise SystemExit(f"{v} failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
-            runs[v].append(json.loads(line[7:]))
-        print(f"round {rep + 1}: " + ", ".join(f"{v} {runs[v][-1]['tokens_per_s']:.0f} tok/s" for v in order), flush=True)
+            if res.returncode or line is None:  # reported; the other variants and rounds go on
+                print(f"{v} round {rep + 1} failed (exit {res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}",
+                      flush=True)
+                continue
+            r = json.loads(line[7:])
+            runs[v].append(r)
+            print(f"round {rep + 1}: {v} {r['tokens_per_s']:.0f} tok/s", flush=True)
+            if args.csv:  # the run's own row, written as soon as it is measured (the table's medians follow)
+                stem, ext = os.path.splitext(args.csv)
+                os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+                append_row(f"{stem}_runs{ext or '.csv'}",
+                           ["date", "device", "device_name", "torch", "ftlib", "precision", "variant", "round",
+                            "tokens_per_s", "first_s", "later_s", "peak_mb"],
+                           [dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), r["device"],
+                            r["device_name"], torch.__version__, ftlib.__version__, args.precision, v, rep,
+                            f"{r['tokens_per_s']:.1f}", f"{r['first_s']:.3f}", f"{r['later_s']:.3f}",
+                            f"{r['peak_mb']:.1f}"])
+    variants = [v for v in variants if runs[v]]
+    if "flat" not in variants:
+        print("bench_dpo: the flat reference variant did not run; no table")
+        raise SystemExit(1)
 
     tol = 1e-4 if args.precision == "fp32" else 2e-2
     ref = runs["flat"][0]["losses"]
@@ -326,6 +346,9 @@ def main() -> None:
                      f"{s['tokens_per_cpu_s'] / stats[best_cpu]['tokens_per_cpu_s']:>14.2f} {s['peak_mb']:>8.1f}  {'ok' if s['correct'] else 'WRONG'} "
                      f"(max |loss - flat| {s['loss_diff']:.1e})")
     print("\n".join(lines))
+    for v in variants:
+        summary(f"dpo {v}: {stats[v]['tokens_per_s']:.0f} tok/s ({stats[v]['tokens_per_s'] / stats[best]['tokens_per_s']:.2f}x "
+                f"{best}), peak {stats[v]['peak_mb']:.0f} MB, {'ok' if stats[v]['correct'] else 'WRONG'}")
     if args.csv:
         os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
         new = not os.path.exists(args.csv)

@@ -22,7 +22,6 @@ stops starting new rounds after --budget-s seconds.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import os
 import platform
@@ -34,6 +33,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _summary import append_row, summary  # noqa: E402
 
 import ftlib  # noqa: E402
 from ftlib.lora import LoRAConfig, apply_lora  # noqa: E402
@@ -142,56 +143,68 @@ def main() -> None:
         count_8b()
         return
     if not torch.cuda.is_available():
-        raise SystemExit("bench_offload: needs a CUDA device (or --count-8b)")
+        print("bench_offload: no CUDA device (--count-8b runs on the CPU); nothing measured")
+        return
     t_start = time.perf_counter()
     model = build(args)
     ids = torch.randint(0, 32000, (args.batch, args.seq_len), device="cuda")
     times = {c: [] for c in CONFIGS}
     peaks = {}
-    for c in CONFIGS:  # warm-up and peak memory, one configuration at a time
-        ctx, undo = setup(model, c)
-        step(model, ids, ctx)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step(model, ids, ctx)
-        torch.cuda.synchronize()
-        peaks[c] = torch.cuda.max_memory_allocated() - base
-        undo()
-    for _ in range(args.iters):  # round-robin timing
-        if time.perf_counter() - t_start > args.budget_s:
-            break
-        for c in CONFIGS:
-            ctx, undo = setup(model, c)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step(model, ids, ctx)
-            torch.cuda.synchronize()
-            times[c].append(time.perf_counter() - t0)
-            undo()
-    rows = []
-    ref_t = statistics.median(times["plain"]) if times["plain"] else float("nan")
     name = torch.cuda.get_device_name()
     print(f"{name}: {args.layers} layers, hidden {args.hidden}, {args.batch}x{args.seq_len} tokens, LoRA r=16, bf16")
-    print(f"{'config':<12} {'ms':>9} {'time/plain':>11} {'peak MiB':>9} {'mem/plain':>10}")
-    for c in CONFIGS:
+    for c in CONFIGS:  # warm-up and peak memory, one configuration at a time
+        try:
+            ctx, undo = setup(model, c)
+            step(model, ids, ctx)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step(model, ids, ctx)
+            torch.cuda.synchronize()
+            peaks[c] = torch.cuda.max_memory_allocated() - base
+            undo()
+        except Exception as e:  # noqa: BLE001 - one configuration's failure (OOM) is reported; the rest run
+            print(f"  {c}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            torch.cuda.empty_cache()
+    configs = [c for c in CONFIGS if c in peaks]
+    for rnd in range(args.iters):  # round-robin timing; the first round always runs (--budget-s 1 included)
+        if rnd and time.perf_counter() - t_start > args.budget_s:
+            break
+        for c in configs:
+            try:
+                ctx, undo = setup(model, c)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step(model, ids, ctx)
+                torch.cuda.synchronize()
+                times[c].append(time.perf_counter() - t0)
+                undo()
+            except Exception as e:  # noqa: BLE001 - reported; the other configurations go on
+                print(f"  {c} round {rnd}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            # one row per configuration and round, written as soon as it is timed
+            ms = 1e3 * times[c][-1]
+            ref = 1e3 * times["plain"][-1] if len(times.get("plain", [])) == rnd + 1 else float("nan")
+            row = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "device": name,
+                   "torch": torch.__version__, "ftlib": ftlib.__version__, "host": platform.machine(),
+                   "layers": args.layers, "hidden": args.hidden, "tokens": args.batch * args.seq_len, "config": c,
+                   "ms": round(ms, 2), "time_vs_plain": round(ms / ref, 3),
+                   "peak_mib": round(peaks[c] / 2**20, 1),
+                   "mem_vs_plain": round(peaks[c] / peaks["plain"], 3) if "plain" in peaks else float("nan"),
+                   "round": rnd}
+            if args.out:
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                append_row(args.out, list(row), list(row.values()))
+    ref_t = statistics.median(times["plain"]) if times["plain"] else float("nan")
+    print(f"{'config':<12} {'ms':>9} {'time/plain':>11} {'peak MiB':>9} {'mem/plain':>10}   (medians over rounds)")
+    for c in configs:
         ms = 1e3 * statistics.median(times[c]) if times[c] else float("nan")
-        row = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "device": name,
-               "torch": torch.__version__, "ftlib": ftlib.__version__, "host": platform.machine(),
-               "layers": args.layers, "hidden": args.hidden, "tokens": args.batch * args.seq_len, "config": c,
-               "ms_median": round(ms, 2), "time_vs_plain": round(ms / 1e3 / ref_t, 3),
-               "peak_mib": round(peaks[c] / 2**20, 1), "mem_vs_plain": round(peaks[c] / peaks["plain"], 3),
-               "rounds": len(times[c])}
-        rows.append(row)
-        print(f"{c:<12} {ms:9.1f} {row['time_vs_plain']:11.3f} {row['peak_mib']:9.0f} {row['mem_vs_plain']:10.3f}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        new = not os.path.exists(args.out)
-        with open(args.out, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if new:
-                w.writeheader()
-            w.writerows(rows)
+        mem = peaks[c] / peaks["plain"] if "plain" in peaks else float("nan")
+        print(f"{c:<12} {ms:9.1f} {ms / 1e3 / ref_t:11.3f} {peaks[c] / 2**20:9.0f} {mem:10.3f}")
+        if c != "plain":
+            summary(f"offload {c}: {ms / 1e3 / ref_t:.2f}x plain's step time, {mem:.2f}x its peak memory "
+                    f"({len(times[c])} rounds)")
 
 
 if __name__ == "__main__":

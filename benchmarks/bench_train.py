@@ -85,6 +85,7 @@ import os
 import platform
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -681,6 +682,36 @@ def write_csv(path, args, vocab, results, summary, peak_tflops=None):
                             abs(lr) <= (args.loss_tol if vocab == args.vocab[0] else args.loss_tol_large)])
 
 
+RUN_FIELDS = ["date", "device", "device_name", "torch", "ftlib", "shape", "layers", "vocab", "seq_len", "round",
+              "variant", "status", "real_tokens_per_s", "tflops", "peak_mb", "train_loss", "heldout_loss", "steps",
+              "timed_s", "warmup_s"]
+
+
+def write_run_row(path, args, vocab, rnd, variant, r):
+    """One run's own numbers, appended the moment it finishes (train.csv's ratios follow per vocab size)."""
+    import torch
+
+    import ftlib
+
+    sys.path.insert(0, HERE)
+    from _summary import append_row
+
+    dev_name = torch.cuda.get_device_name() if args.device == "cuda" else (platform.processor() or platform.machine())
+    nan = float("nan")
+    g = (lambda k, fmt: format(r.get(k, nan), fmt)) if not r.get("failed") else (lambda k, fmt: "nan")
+    append_row(path, RUN_FIELDS, [
+        datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), args.device, dev_name,
+        torch.__version__, ftlib.__version__, "llama-3.2-1b" if args.gpu_1b else "6x512",
+        model_shape(args)["num_hidden_layers"], vocab, r.get("seq_len"), rnd, variant,
+        "failed" if r.get("failed") else "ok", g("tokens_per_s", ".1f"), g("tflops", ".3f"), g("peak_mb", ".0f"),
+        g("train_loss", ".5f"), g("heldout_loss", ".5f"), r.get("steps", 0), g("timed_s", ".2f"),
+        g("warmup_s", ".1f")])
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def _budget(args, vocab):
     return args.tokens if vocab == args.vocab[0] else args.tokens_large
 
@@ -698,7 +729,9 @@ def have_baseline() -> str | None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for train.csv (appended)")
-    ap.add_argument("--work-dir", help="folder for the initial checkpoints (default: a temporary one, removed)")
+    ap.add_argument("--work-dir", default=os.environ.get("FTLIB_BENCH_WORK") or None,
+                    help="folder for the initial checkpoints, reused across runs and kept (default: $FTLIB_BENCH_WORK, "
+                    "else a temporary one, removed at the end, on SIGTERM too)")
     ap.add_argument("--quick", action="store_true", help="smoke run: one round, vocab 8192, a small budget")
     ap.add_argument("--profile", action="store_true", help="phase breakdown of ftlib's step (no baseline)")
     ap.add_argument("--profile-steps", type=int, default=6)
@@ -831,6 +864,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     work = args.work_dir or tempfile.mkdtemp(prefix="ftlib_bench_train_")
     os.makedirs(work, exist_ok=True)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a timeout's SIGTERM still runs the clean-up below
     print(f"bench_train: {args.device}, {args.threads} threads, load average {os.getloadavg()[0]:.2f} "
           f"(timings on a shared machine are noisy: variants alternate, medians are shown)")
     summaries = {}
@@ -857,6 +891,7 @@ def main(argv=None):
                                 if args.budget_s else 1e9, gpu_1b=args.gpu_1b)
                     r = spawn(spec, work)
                     results[v].append(r)
+                    write_run_row(os.path.join(args.out, "train_runs.csv"), args, vocab, rnd, v, r)
                     if not r.get("failed"):
                         print(f"  vocab {vocab} round {rnd} {v:<15} {r['tokens_per_s']:8.0f} tok/s  peak "
                               f"{r['peak_mb']:6.0f} MB  held-out {r['heldout_loss']:.4f}  ({r['steps']} steps, "

@@ -6,6 +6,11 @@ bundled in the triton wheel and reads ``cuobjdump -res-usage``. Selections:
   defaults  the configuration each launch takes without autotuning, every kernel x variant x target
   full      every configuration the launchers may choose (autotuning), plus the ones they prune on
             a target (marked "(pruned)": compiled for the record, never launched there)
+  recorded  the launches the code makes (``ftlib.kernels._launch_recorder``: LoRALinear under bf16
+            autocast with fp32 adapters, the attention op; head dims 16-256, causal and not, varlen
+            and dense, ranks 8-256 incl. unaligned, NF4, DoRA, dropout), each launch's default
+            configuration on sm_90 and sm_80; ``source`` names the driving case ("shipped: ..." for
+            the launches Llama-class models make: head dims 64 / 128, ranks <= 64)
 
 Rows (CSV): kernel, variant, config, target, shared_bytes, registers, spill_bytes, estimate
 (the launcher's shared-memory estimate, empty where it makes none), default (1 for the
@@ -15,6 +20,8 @@ A row is written as soon as its chunk compiles, so an interrupted sweep keeps wh
     nice python benchmarks/compile_report.py --out benchmarks/results/compile.csv --jobs 2
     python benchmarks/compile_report.py --selection defaults --targets sm_90,sm_80
     nice python benchmarks/compile_report.py --kernels lora.fwd,lora.dx --jobs 2   # redo two kernels' rows
+    nice python benchmarks/compile_report.py --selection recorded --targets sm_90 \
+        --out benchmarks/results/compile_recorded_triton3.9.csv   # per Triton version installed
 
 With ``--kernels``, only those kernels are compiled and the other rows of ``--out`` (as they were,
 for the selected targets and every other target) are kept, so one kernel's change does not need
@@ -32,16 +39,18 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import triton  # noqa: E402
+
 from ftlib.kernels import compile_check as cc  # noqa: E402
 
-FIELDS = ["kernel", "variant", "config", "target", "shared_bytes", "registers", "spill_bytes", "estimate", "default",
-          "fits", "error"]
+FIELDS = ["kernel", "variant", "config", "target", "triton", "shared_bytes", "registers", "spill_bytes", "estimate",
+          "default", "fits", "source", "error"]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/compile.csv")
-    ap.add_argument("--selection", default="full", choices=("defaults", "full", "ci"))
+    ap.add_argument("--selection", default="full", choices=("defaults", "full", "ci", "recorded", "recorded-ci", "recorded-shipped"))
     ap.add_argument("--targets", default=",".join(cc.TARGETS), help="comma-separated subset of " + ",".join(cc.TARGETS))
     ap.add_argument("--jobs", type=int, default=max(1, min(16, os.cpu_count() or 1)))
     ap.add_argument("--cache-dir", default=None, help="Triton cache (default: a fresh directory for this run)")
@@ -81,6 +90,7 @@ def main() -> int:
                 under = c.estimate is not None and not r.error and c.estimate < r.shared
                 bad += not pruned and (not fits or (c.default and r.spill > 0) or under)
                 w.writerow({"kernel": c.kernel, "variant": c.variant, "config": c.config, "target": c.target,
+                            "triton": triton.__version__, "source": c.source,
                             "shared_bytes": r.shared, "registers": r.registers, "spill_bytes": r.spill,
                             "estimate": "" if c.estimate is None else c.estimate, "default": int(c.default),
                             "fits": int(fits), "error": r.error})

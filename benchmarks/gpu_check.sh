@@ -1,48 +1,94 @@
 #!/usr/bin/env bash
-# Every GPU number in one lease: <= 11 minutes (660 s) on one H100/H200, steps in priority order.
+# Every GPU number in one command of at most 540 s on one H100/H200, steps in priority order.
 #
-#   step                                    limit   what
-#   0  preflight                              45 s  versions, device, which optional packages import
-#   1  warm the Triton cache                  90 s  benchmarks/warm_kernels.py: default kernel variants
-#                                                   compiled in 12 parallel processes
-#   2  native correctness, kernels           110 s  pytest -m gpu on tests/kernels + tests/lora (bf16 odd
-#                                                   shapes, NF4 without bitsandbytes, attention varlen/GQA)
-#   3  native correctness, the rest           50 s  pytest -m gpu on the other tests
-#   4  headline case of each benchmark       190 s  attention 30, lora 35, train 45, augment 15, dpo 25,
-#                                                   offload 20, memory 20 (each --budget-s 1: first case)
-#   5  the rest of each benchmark            165 s  the same benchmarks with their remaining budgets
-#                                          -----
-#                                           650 s  (a step never runs past the 660 s total either)
+#   step                                       limit  what
+#   preflight                                    15 s  versions, device, which optional packages import
+#   warm                                         55 s  benchmarks/warm_kernels.py: default kernel variants
+#                                                      compiled in 12 parallel processes (the headline's first)
+#   headline_8b                                 165 s  benchmarks/bench_8b.py: Llama-3-8B shape, 32 layers,
+#                                                      packed 4096-token rows; ftlib LoRA, ftlib QLoRA (NF4),
+#                                                      transformers + peft (sdpa, length-grouped padding)
+#   attention                                    30 s  bench_attention: fwd / bwd TFLOP/s vs SDPA (d128 first)
+#   lora_kernels                                 30 s  bench_lora --kernels: fused vs cuBLAS + 2 small GEMMs
+#   pytest_kernels                               80 s  pytest -m gpu tests/kernels tests/lora
+#   pytest_rest                                  35 s  pytest -m gpu on the rest, the torchrun test left out
+#   pytest_distributed                           55 s  tests/distributed/test_gpu.py (torchrun + FSDP2 +
+#                                                      checkpoint + exports) alone, with its own limit
+#   dpo                                          20 s  bench_dpo --preset gpu
+#   offload                                      10 s  bench_offload
+#   memory                                       10 s  bench_memory
+#   augment                                      10 s  bench_augment
+#                                             -----
+#                                               515 s  plus packing the archive after each step (< 1 s);
+#                                                      no step runs past the 540 s total either
 #
-# Usage: benchmarks/gpu_check.sh OUT_DIR   (PYTHON=... selects the interpreter)
-# Writes into OUT_DIR: preflight.log, warm.log, pytest_kernels.log, pytest_rest.log, and per
-# benchmark a log and a CSV (attention.csv, lora_gpu.csv, train CSVs, augment.csv, dpo.csv,
-# offload.csv, memory.csv); the benchmarks write each row as soon as it is measured and report an
-# exception per provider instead of stopping, so a step cut at its limit keeps its rows.
-# Without a CUDA device it prints why and exits 0 having run nothing (a skip, not a failure).
+# Usage: benchmarks/gpu_check.sh [--dry-run] OUT_DIR     (PYTHON=... selects the interpreter)
+#
+# OUT_DIR receives two files, whatever happens: summary.txt (every headline number, one line each,
+# appended by the benchmarks the moment each is measured - benchmarks/_summary.py - plus one line per
+# step with its exit status and time, so a run cut at any point leaves it true) and results.tar.gz
+# (every CSV and log, re-packed after each step; each log capped at its last 4 MiB). Logs, CSVs,
+# built weights and the Triton cache live in a scratch directory outside OUT_DIR ($GPU_CHECK_SCRATCH,
+# default a fresh one under ${TMPDIR:-/tmp}), removed at the end unless GPU_CHECK_KEEP=1.
+#
+# --dry-run walks every step with its work stubbed (each step writes its log and CSV stubs and its
+# summary lines marked "dry"), without a GPU: OUT_DIR ends up with the same names a real run writes.
+# Without a CUDA device (and without --dry-run) it writes one line saying why and exits 0 (a skip).
 #
 # Versions: written for the lease image (torch 2.11, Triton 3.6, no bitsandbytes, no flash-attn)
-# and for Triton 3.9: nothing here or in the kernels needs a 3.9-only feature. TRITON_DEFAULT_FP_FUSION
-# is set because Triton 3.9 warns when it is unset (3.6 does not read it; fusion on is both defaults).
+# and for Triton 3.9. TRITON_DEFAULT_FP_FUSION is set because Triton 3.9 warns when it is unset.
 set -uo pipefail
 
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 if [ $# -ne 1 ]; then
-    echo "usage: $0 OUT_DIR" >&2
+    echo "usage: $0 [--dry-run] OUT_DIR" >&2
     exit 2
 fi
 mkdir -p "$1"
 OUT=$(cd "$1" && pwd)
 PY=${PYTHON:-python}
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+REPO=$PWD
+SCRATCH=${GPU_CHECK_SCRATCH:-$(mktemp -d "${TMPDIR:-/tmp}/ftlib_gpu_check.XXXXXX")}
+case "$SCRATCH/" in "$OUT/"*) echo "gpu_check: the scratch dir must be outside OUT_DIR" >&2; exit 2 ;; esac
+RES=$SCRATCH/results  # what results.tar.gz holds
+mkdir -p "$RES" "$SCRATCH/work" "$SCRATCH/pack/results"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export TRITON_DEFAULT_FP_FUSION=1
-export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$OUT/triton-cache}"
-TOTAL=660
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$SCRATCH/triton-cache}"
+export FTLIB_BENCH_WORK="$SCRATCH/work"  # built weights, shared by the benchmarks, removed with SCRATCH
+export FTLIB_SUMMARY="$OUT/summary.txt"
+export TMPDIR="$SCRATCH/work"
+TOTAL=540
+RESERVE=5  # kept for the last archive
 START=$SECONDS
+: >"$FTLIB_SUMMARY"
+rm -f "$OUT/results.tar.gz"
 
-# ---- 0. preflight -----------------------------------------------------------------------------
-timeout 45 "$PY" - <<'EOF' 2>&1 | tee "$OUT/preflight.log"
+cleanup() { [ "${GPU_CHECK_KEEP:-0}" = 1 ] || rm -rf "$SCRATCH"; }
+trap cleanup EXIT
+
+sline() { printf '%s\n' "$*" >>"$FTLIB_SUMMARY"; }
+
+pack() {  # results.tar.gz from RES, every file capped at its last 4 MiB, written to a temp name, renamed
+    local f
+    rm -rf "$SCRATCH/pack/results" && mkdir -p "$SCRATCH/pack/results"
+    for f in "$RES"/*; do
+        [ -f "$f" ] || continue
+        tail -c 4194304 "$f" >"$SCRATCH/pack/results/$(basename "$f")"
+    done
+    cp "$FTLIB_SUMMARY" "$SCRATCH/pack/results/summary.txt"
+    tar -C "$SCRATCH/pack" -czf "$OUT/.results.tar.gz.tmp" results && mv -f "$OUT/.results.tar.gz.tmp" "$OUT/results.tar.gz"
+}
+
+# ---- preflight --------------------------------------------------------------------------------
+if [ "$DRY" = 1 ]; then
+    sline "gpu_check: DRY RUN (stubbed work; every number below is marked dry)"
+    echo "preflight: dry run, nothing imported" >"$RES/preflight.log"
+else
+    timeout -k 5 15 "$PY" - >"$RES/preflight.log" 2>&1 <<'EOF'
 import importlib, sys
 for name in ("torch", "triton", "numpy", "pytest", "xdist", "transformers", "peft", "bitsandbytes", "flash_attn"):
     try:
@@ -58,80 +104,86 @@ if not torch.cuda.is_available():
 print(f"preflight: device {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
       f"CUDA {torch.version.cuda}")
 EOF
-pre=${PIPESTATUS[0]}
-if [ "$pre" -eq 3 ]; then
-    exit 0
-elif [ "$pre" -ne 0 ]; then
-    echo "gpu_check: preflight failed (exit $pre); see $OUT/preflight.log" >&2
-    exit 1
+    pre=$?
+    if [ "$pre" -eq 3 ]; then
+        reason=$(grep '^gpu_check: SKIPPED' "$RES/preflight.log")
+        sline "$reason"
+        pack
+        echo "$reason"
+        exit 0
+    elif [ "$pre" -ne 0 ]; then
+        sline "gpu_check: preflight failed (exit $pre)"
+        pack
+        echo "gpu_check: preflight failed (exit $pre); see results.tar.gz:results/preflight.log" >&2
+        exit 1
+    fi
+    cat "$RES/preflight.log"
+    sline "$(grep '^preflight: device' "$RES/preflight.log" || echo 'preflight: device unknown')"
+    sline "$(grep -E '^preflight: (torch|triton) ' "$RES/preflight.log" | tr -s ' ' | paste -sd ';' -)"
 fi
+pack
 
 status=0
-step() {  # step NAME LIMIT_S LOG CMD...: run CMD under min(LIMIT_S, time left of TOTAL), output to OUT/LOG
-    local name=$1 limit=$2 log=$3
-    shift 3
-    local left=$((TOTAL - (SECONDS - START)))
+STEPS_RUN=""
+step() {  # step NAME LIMIT_S CMD...: CMD under min(LIMIT_S, time left), output to RES/NAME.log, then pack
+    local name=$1 limit=$2
+    shift 2
+    local left=$((TOTAL - RESERVE - (SECONDS - START)))
+    STEPS_RUN="$STEPS_RUN $name:$limit"
     if [ "$left" -lt 5 ]; then
-        echo "== $name: skipped, the $TOTAL s total is spent" | tee -a "$OUT/skipped.log"
+        sline "step $name: skipped, the $TOTAL s total is spent"
         return
     fi
     [ "$limit" -gt "$left" ] && limit=$left
     echo "== $name (limit $limit s, $((SECONDS - START)) s elapsed)"
-    timeout "$limit" "$@" >>"$OUT/$log" 2>&1
-    local rc=$?
-    tail -n 15 "$OUT/$log"
-    if [ $rc -eq 124 ]; then echo "== $name: stopped at its limit ($limit s)"; fi
+    local t0=$SECONDS rc
+    if [ "$DRY" = 1 ]; then
+        "$PY" "$REPO/benchmarks/_dry_step.py" "$name" "$RES" "$@" >>"$RES/$name.log" 2>&1
+        rc=$?
+    else
+        timeout -k 5 "$limit" "$@" >>"$RES/$name.log" 2>&1
+        rc=$?
+    fi
+    tail -n 8 "$RES/$name.log"
+    local how="exit $rc"
+    [ $rc -eq 124 ] || [ $rc -eq 137 ] && how="stopped at its limit"
+    sline "step $name: $how in $((SECONDS - t0)) s (limit $limit s)$([ "$DRY" = 1 ] && echo ' [dry]')"
     [ $rc -ne 0 ] && status=1
+    pack
 }
 
-# Kernels take the first fitting tile configuration instead of timing them all (results equal up to
-# rounding order; compile time drops ~5x), except the attention benchmark's, which autotunes.
+pytest_line() {  # the pytest summary line of a log, into summary.txt
+    local name=$1 line
+    line=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$RES/$name.log" | tail -n 1)
+    sline "$name: ${line:-no pytest summary line (cut before the end)}"
+}
+
+# Kernels take the first fitting tile configuration instead of timing them all (autotune off: no
+# timing at all, on 3.6 as on 3.9), except the attention benchmark's, which autotunes.
 export FTLIB_LORA_AUTOTUNE=0
 workers=""
-if "$PY" -c "import xdist" 2>/dev/null; then workers="-n 8"; fi  # workers compile kernel variants in parallel
+if [ "$DRY" = 1 ] || "$PY" -c "import xdist" 2>/dev/null; then workers="-n 8"; fi
 
-# ---- 1. warm the Triton cache -------------------------------------------------------------------
-step "warm the Triton cache" 90 warm.log "$PY" benchmarks/warm_kernels.py --jobs 12
-
-# ---- 2-3. native correctness ----------------------------------------------------------------------
-FTLIB_ATTN_AUTOTUNE=0 step "pytest -m gpu tests/kernels tests/lora" 110 pytest_kernels.log \
+step warm 55 "$PY" benchmarks/warm_kernels.py --jobs 12
+FTLIB_ATTN_AUTOTUNE=0 step headline_8b 165 "$PY" benchmarks/bench_8b.py --out "$RES" --layers 32 --budget-s 155
+step attention 30 "$PY" benchmarks/bench_attention.py --out "$RES/attention.csv" --budget-s 20
+step lora_kernels 30 "$PY" benchmarks/bench_lora.py --kernels --out "$RES/lora_gpu.csv" --budget-s 20
+FTLIB_ATTN_AUTOTUNE=0 step pytest_kernels 80 \
     "$PY" -m pytest -m gpu -q -p no:cacheprovider $workers tests/kernels tests/lora
-FTLIB_ATTN_AUTOTUNE=0 step "pytest -m gpu (the rest)" 50 pytest_rest.log \
-    "$PY" -m pytest -m gpu -q -p no:cacheprovider $workers tests --ignore=tests/kernels --ignore=tests/lora
+pytest_line pytest_kernels
+FTLIB_ATTN_AUTOTUNE=0 step pytest_rest 35 \
+    "$PY" -m pytest -m gpu -q -p no:cacheprovider $workers tests --ignore=tests/kernels --ignore=tests/lora \
+    --deselect tests/distributed/test_gpu.py::test_fsdp2_bf16_on_cuda
+pytest_line pytest_rest
+FTLIB_ATTN_AUTOTUNE=0 step pytest_distributed 55 \
+    "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/distributed/test_gpu.py
+pytest_line pytest_distributed
+FTLIB_ATTN_AUTOTUNE=0 step dpo 20 "$PY" benchmarks/bench_dpo.py --preset gpu --csv "$RES/dpo.csv" --budget-s 12
+step offload 10 "$PY" benchmarks/bench_offload.py --out "$RES/offload.csv" --budget-s 4
+step memory 10 "$PY" benchmarks/bench_memory.py --csv "$RES/memory.csv" --budget-s 4
+step augment 10 "$PY" benchmarks/bench_augment.py --out "$RES/augment.csv" --budget-s 4
 
-# ---- 4. one headline case per benchmark (--budget-s 1: the first case of each, in its priority order)
-step "headline: bench_attention" 30 bench_attention.log \
-    "$PY" benchmarks/bench_attention.py --out "$OUT/attention.csv" --budget-s 1
-step "headline: bench_lora --kernels" 35 bench_lora.log \
-    "$PY" benchmarks/bench_lora.py --kernels --out "$OUT/lora_gpu.csv" --budget-s 1
-FTLIB_ATTN_AUTOTUNE=0 step "headline: bench_train (ftlib, hf-budget)" 45 bench_train.log \
-    "$PY" benchmarks/bench_train.py --device cuda --gpu-1b --variants ftlib,hf-budget --rounds 1 \
-    --docs 1200 --tokens 98304 --budget-s 1 --out "$OUT"
-step "headline: bench_augment" 15 bench_augment.log \
-    "$PY" benchmarks/bench_augment.py --out "$OUT/augment.csv" --budget-s 1
-FTLIB_ATTN_AUTOTUNE=0 step "headline: bench_dpo" 25 bench_dpo.log \
-    "$PY" benchmarks/bench_dpo.py --preset gpu --csv "$OUT/dpo.csv" --budget-s 1
-step "headline: bench_offload" 20 bench_offload.log \
-    "$PY" benchmarks/bench_offload.py --out "$OUT/offload.csv" --budget-s 1
-step "headline: bench_memory" 20 bench_memory.log \
-    "$PY" benchmarks/bench_memory.py --csv "$OUT/memory.csv" --budget-s 1
-
-# ---- 5. the rest (cases already measured above are measured again: rows are appended) ------------
-step "bench_attention" 35 bench_attention.log \
-    "$PY" benchmarks/bench_attention.py --out "$OUT/attention.csv" --budget-s 25
-step "bench_lora --kernels" 40 bench_lora.log \
-    "$PY" benchmarks/bench_lora.py --kernels --out "$OUT/lora_gpu.csv" --budget-s 30
-FTLIB_ATTN_AUTOTUNE=0 step "bench_train (hf-group, hf-pad)" 40 bench_train.log \
-    "$PY" benchmarks/bench_train.py --device cuda --gpu-1b --variants hf-group,hf-pad --rounds 1 \
-    --docs 1200 --tokens 98304 --budget-s 25 --out "$OUT"
-step "bench_augment" 15 bench_augment.log \
-    "$PY" benchmarks/bench_augment.py --out "$OUT/augment.csv" --budget-s 10
-FTLIB_ATTN_AUTOTUNE=0 step "bench_dpo" 15 bench_dpo.log \
-    "$PY" benchmarks/bench_dpo.py --preset gpu --csv "$OUT/dpo.csv" --budget-s 8
-step "bench_offload" 10 bench_offload.log \
-    "$PY" benchmarks/bench_offload.py --out "$OUT/offload.csv" --budget-s 6
-step "bench_memory" 10 bench_memory.log \
-    "$PY" benchmarks/bench_memory.py --csv "$OUT/memory.csv" --budget-s 6
-
-echo "gpu_check: done in $((SECONDS - START)) s, status $status, outputs in $OUT"
+sline "gpu_check: done in $((SECONDS - START)) s, status $status (steps:$STEPS_RUN)"
+pack
+echo "gpu_check: done in $((SECONDS - START)) s, status $status; $OUT: $(ls "$OUT" | paste -sd ' ' -)"
 exit $status

@@ -89,16 +89,19 @@ class ClipStats:
     scale: torch.Tensor  # the (smallest) factor applied; 1 when nothing was clipped
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def names(self) -> list[str]:
+        """The keys of ``to_dict``, in the order of ``stacked``."""
+        return ["grad_norm", "grad_norm_clipped", "clipped", "clip_scale", *self.extra]
+
+    def stacked(self) -> torch.Tensor:
+        """Every value as one float64 vector on the norm's device (read it in one transfer)."""
+        dev = self.norm_before.device
+        values = [self.norm_before, self.norm_after, self.clipped, self.scale, *self.extra.values()]
+        return torch.stack([torch.as_tensor(v, device=dev).detach().reshape(()).double() for v in values])
+
     def to_dict(self) -> dict[str, float]:
-        """Plain floats for a logger (one host sync)."""
-        out = {
-            "grad_norm": float(self.norm_before),
-            "grad_norm_clipped": float(self.norm_after),
-            "clipped": float(self.clipped),
-            "clip_scale": float(self.scale),
-        }
-        out.update({k: float(v) for k, v in self.extra.items()})
-        return out
+        """Plain floats for a logger (one host sync: the values are read as one vector)."""
+        return dict(zip(self.names(), self.stacked().tolist()))
 
 
 # --------------------------------------------------------------------------------------------

@@ -212,7 +212,16 @@ def chunked_cross_entropy(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     _check_labels(labels, hidden.shape[:2], "hidden")
     y = labels[:, 1:].reshape(-1).long()
-    keep = (y != ignore_index).nonzero().squeeze(1)  # (N,) positions with a target
+    target = y != ignore_index
+    # One host read per call (a device sync on CUDA): the target count, which sizes everything below,
+    # and the number of out-of-range labels, read together
+    bad = target & ((y < 0) | (y >= lm_head_weight.shape[0]))
+    n_target = target.sum()
+    n, n_bad = torch.stack([n_target, bad.sum()]).tolist()
+    if n_bad:
+        raise ValueError(f"labels must be in [0, {lm_head_weight.shape[0]}) or {ignore_index}")
+    # (N,) positions with a target, in order, without nonzero's second sync: a stable sort puts them first
+    keep = torch.argsort((~target).to(torch.uint8), stable=True)[:n]
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, keep)  # (N, H)
     # the matmul dtype: autocast's when active (as nn.Linear would run), else the wider input's
     if torch.is_autocast_enabled(h.device.type):
@@ -220,13 +229,11 @@ def chunked_cross_entropy(
     else:
         dtype = torch.promote_types(h.dtype, lm_head_weight.dtype)
     y = y.index_select(0, keep)
-    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= lm_head_weight.shape[0]):
-        raise ValueError(f"labels must be in [0, {lm_head_weight.shape[0]}) or {ignore_index}")
     grads = torch.is_grad_enabled()
     need_h, need_w = grads and hidden.requires_grad, grads and lm_head_weight.requires_grad
     loss = _ChunkedCE.apply(h, lm_head_weight, y, int(chunk_size), dtype, need_h, need_w,
                             None if softcap is None else float(softcap))
-    return loss, keep.new_tensor(keep.numel())
+    return loss, n_target
 
 
 def bradley_terry_loss(

@@ -460,7 +460,10 @@ class TrainOptimizer:
         self.prepare_grads()
         named = self._params()
         params = [p for _, p in named]
-        empty = float(self._totals[0]) == 0.0  # all ranks agree: the count is all-reduced
+        # Host reads (device syncs on CUDA): the window's totals here, before the clipper (not called
+        # on an empty window), then the norm and the clipper's statistics together below: two a step
+        tokens, loss_sum = self._totals.double().tolist()
+        empty = tokens == 0.0  # all ranks agree: the count is all-reduced
         if empty:
             norm, clip = grad_norm(params), None
         elif clipper is not None and getattr(clipper, "reports_global_norm", False):
@@ -469,8 +472,10 @@ class TrainOptimizer:
         else:
             norm = grad_norm(params)  # before clipping: the finiteness check sees every gradient
             clip = clipper([(n, p) if n is not None else p for n, p in named]) if clipper is not None else None
-        totals = self._totals
-        tokens, loss_sum, norm_v = torch.cat([totals.double().cpu(), norm.double().reshape(1).cpu()]).tolist()
+        read = norm.double().reshape(1)
+        if clip is not None:
+            read = torch.cat([read, clip.stacked().to(read.device)])
+        norm_v, *clip_values = read.tolist()
         non_finite = not math.isfinite(norm_v)
         skipped = non_finite or empty
         skip_reason = "non-finite gradients" if non_finite else "no target tokens" if empty else None
@@ -500,7 +505,7 @@ class TrainOptimizer:
             num_tokens=int(round(tokens)),
             grad_norm=norm_v,
             loss_scale=scale,
-            clip=clip.to_dict() if clip is not None else None,
+            clip=dict(zip(clip.names(), clip_values)) if clip is not None else None,
             nan_source=nan_source,
             precision=self.precision,
             skip_reason=skip_reason,

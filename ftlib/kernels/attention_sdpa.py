@@ -38,6 +38,7 @@ does, so soft-capped calls run ``attention_ref``'s math (scores materialised per
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -71,9 +72,27 @@ def _sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
 
+# id(cu_seqlens) -> (weak reference, version counter, N, segments). Every layer of a forward (and its
+# backward) passes the same cu_seqlens tensor: on CUDA its boundaries are read to the host once per
+# batch, not once per layer and direction (a device sync each).
+_SEGMENTS: dict[int, tuple] = {}
+
+
 def _segments(cu_seqlens: torch.Tensor, n: int) -> list[tuple[int, int]]:
+    try:
+        tag = (cu_seqlens._version, n)
+    except RuntimeError:  # an inference tensor has no version counter: not cached
+        tag = None
+    hit = _SEGMENTS.get(id(cu_seqlens))
+    if tag is not None and hit is not None and hit[0]() is cu_seqlens and hit[1] == tag:
+        return hit[2]
     cu = check_cu_seqlens(cu_seqlens, n)
-    return [(s, e) for s, e in zip(cu, cu[1:]) if e > s]
+    segs = [(s, e) for s, e in zip(cu, cu[1:]) if e > s]
+    if tag is not None:
+        if len(_SEGMENTS) >= 16:  # a handful of live layouts at most (micro-batches, chosen / rejected)
+            _SEGMENTS.clear()
+        _SEGMENTS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), tag, segs)
+    return segs
 
 
 def _heads_first(t: torch.Tensor, s: int, e: int) -> torch.Tensor:

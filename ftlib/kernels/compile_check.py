@@ -30,7 +30,8 @@ import subprocess
 import sys
 import tempfile
 
-__all__ = ["Case", "Result", "TARGETS", "augment_cases", "cases", "ci_cases", "compile_case", "cuobjdump_path", "list_cases", "run_cases"]
+__all__ = ["Case", "Result", "TARGETS", "augment_cases", "cases", "ci_cases", "compile_case", "cuobjdump_path", "list_cases",
+           "recorded_cases", "recorded_ci_cases", "run_cases"]
 
 # target name -> (compute capability, shared memory per block in bytes, opt-in maximum)
 TARGETS = {"sm_90": (90, 232_448), "sm_80": (80, 166_912), "sm_89": (89, 101_376)}
@@ -56,6 +57,8 @@ class Case:
     estimate: int | None  # the launcher's shared-memory estimate, None when it makes none
     default: bool  # the configuration taken without autotuning on this target
     aligned: bool = True  # integer arguments divisible by 16 (as Triton specializes them at launch)
+    unaligned_args: tuple = ()  # integer arguments not divisible by 16 even when ``aligned`` (recorded launches)
+    source: str = ""  # recorded cases: the driving case that made the launch ("shipped: ..." for the models')
 
 
 @dataclasses.dataclass
@@ -99,7 +102,7 @@ def _signature(fn, case: Case) -> tuple[dict, dict]:
             sig[arg] = "fp32"
         else:
             sig[arg] = "i32"
-            if case.aligned and arg not in dns and i not in dns:
+            if case.aligned and arg not in dns and i not in dns and arg not in case.unaligned_args:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
 
@@ -326,8 +329,77 @@ def ci_cases() -> list[Case]:
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Cases from the launches the code makes (``_launch_recorder``)
+# ----------------------------------------------------------------------------------------------
+
+_BLOCK_NAMES = {"lora": _LORA_BLOCKS, "attention": {k: ("BLOCK_M", "BLOCK_N") for k in ("fwd", "dkdv", "dq")}}
+
+
+def recorded_cases(targets=("sm_90",), shipped_only: bool = False, full: bool = False) -> list[Case]:
+    """The launches ``_launch_recorder.drive`` records (LoRALinear under autocast, the attention op;
+    shipped models' and the wider sweep), each with the configuration the launcher takes without
+    autotuning on each target (``full``: every configuration it keeps). Needs a process without
+    TRITON_INTERPRET (``list_cases("recorded")`` starts one)."""
+    from . import _launch_recorder as rec
+    from . import attention_triton as at
+    from . import lora_triton as lt
+
+    out = []
+    for launch, shipped in rec.drive(shipped_only):
+        meta, ptr = dict(launch.constexprs), dict(launch.ptr_types)
+        variant = ",".join(f"{k}={v}" for k, v in launch.constexprs if k not in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        variant += "".join(f" {k}:{t}" for k, t in launch.ptr_types if t != "bf16")
+        if launch.unaligned:
+            variant += " unaligned:" + ",".join(launch.unaligned)
+        src = ("shipped: " if shipped else "") + launch.label
+        module = f"ftlib.kernels.{launch.family}_triton"
+        for target in targets:
+            cc, limit = TARGETS[target]
+            if launch.kind == "preprocess":
+                out.append(Case(f"{launch.family}.preprocess", variant, f"{meta['BLOCK_M']} w4 s3", target, module,
+                                "preprocess", ptr, launch.float_args, meta, 4, 3, None, True,
+                                unaligned_args=launch.unaligned, source=src))
+                continue
+            if launch.family == "lora":
+                configs = lt.tile_configs(launch.kind, meta, limit, cc)
+            else:
+                configs = at.tile_configs(launch.kind, meta, limit)
+            for i, (c, est) in enumerate(configs if full else configs[:1]):
+                out.append(Case(f"{launch.family}.{launch.kind}", variant,
+                                _cfg_text(c, _BLOCK_NAMES[launch.family][launch.kind]), target, module, launch.kind,
+                                ptr, launch.float_args, dict(meta, **c.kwargs), c.num_warps, c.num_stages, est,
+                                i == 0, unaligned_args=launch.unaligned, source=src))
+    return out
+
+
+def _signature_key(c: Case) -> tuple:
+    return (c.kernel, c.target, tuple(sorted(c.constexprs.items())), tuple(sorted(c.ptr_types.items())),
+            c.num_warps, c.num_stages, c.aligned and not c.unaligned_args)
+
+
+def recorded_ci_cases() -> list[Case]:
+    """The CI share of the recorded cases (a few compiles: the suite's time is bounded): of the shipped
+    models' launches on sm_90 (head dims 64 / 128, ranks <= 64) that the hand-written CI subset does
+    not already compile, the first per kernel and feature set (NF4, double quantization, dropout, DoRA,
+    bias, varlen). Every recorded launch is compiled by ``test_compile_targets``'s slow test
+    and by ``benchmarks/compile_report.py --selection recorded``."""
+    have = {_signature_key(c) for c in ci_cases()}
+    out, seen = [], set()
+    feats = ("NF4", "DOUBLE_QUANT", "DROPOUT", "DORA", "HAS_BIAS", "IS_VARLEN")
+    for c in recorded_cases(("sm_90",), shipped_only=True):
+        key = (c.kernel, *(c.constexprs.get(f) for f in feats))
+        if _signature_key(c) not in have and key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
 _SELECTIONS = {"ci": lambda: ci_cases(), "defaults": lambda: cases(tuple(TARGETS)),
-               "full": lambda: cases(tuple(TARGETS), full=True)}
+               "full": lambda: cases(tuple(TARGETS), full=True),
+               "recorded": lambda: recorded_cases(("sm_90", "sm_80")),
+               "recorded-ci": lambda: recorded_ci_cases(),
+               "recorded-shipped": lambda: recorded_cases(("sm_90",), shipped_only=True)}
 
 
 def _clean_env(cache_dir: str | None = None) -> dict:
@@ -339,7 +411,8 @@ def _clean_env(cache_dir: str | None = None) -> dict:
 
 
 def list_cases(selection: str) -> list[Case]:
-    """The cases of ``selection`` (``ci``, ``defaults`` or ``full``) as the GPU launchers choose them.
+    """The cases of ``selection`` (``ci``, ``defaults``, ``full``, ``recorded`` or ``recorded-ci``) as the GPU
+    launchers choose them.
 
     The launchers' configuration lists depend on TRITON_INTERPRET (the interpreter uses 16-wide
     tiles), so under the interpreter they are listed by a fresh process without it.

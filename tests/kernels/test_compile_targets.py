@@ -40,7 +40,9 @@ def _have_nvidia_tools() -> bool:
 
 pytestmark = pytest.mark.skipif(not _have_nvidia_tools(), reason="triton without its bundled CUDA tools")
 
-CASES = cc.list_cases("ci") if _have_nvidia_tools() else []
+# the hand-written CI subset, then a sample of the launches the code makes (compile_check.recorded_ci_cases:
+# LoRALinear under bf16 autocast with fp32 adapters, the attention op, as shipped models launch them)
+CASES = cc.list_cases("ci") + cc.list_cases("recorded-ci") if _have_nvidia_tools() else []
 IDS = [f"{c.kernel}-{c.variant}-{c.target}-{c.config.replace(' ', '_')}" for c in CASES]
 
 
@@ -82,3 +84,31 @@ def test_ci_subset_covers_every_kernel_and_variant():
     first = {(c.kernel, c.variant, c.target): c.config for c in CASES if c.default}
     assert first[("lora.fwd", "bf16", "sm_90")] == "128x256x64 w8 s3"
     assert first[("attention.fwd", "bf16-d128-causal", "sm_90")] == "128x64 w8 s3"
+
+
+def test_recorded_launches_cover_the_sweep():
+    # the recorder sees what the code launches: fp32 adapters beside bf16 activations, varlen and dense
+    # attention at head dims 64-256 causal and not, unaligned ranks (r = 200 here)
+    rec = cc.list_cases("recorded")
+    assert {c.ptr_types.get("A") for c in rec if c.kernel == "lora.down"} == {"fp32"}
+    assert {c.ptr_types.get("X") for c in rec if c.kernel == "lora.fwd"} == {"bf16"}
+    att = {(c.constexprs["HEAD_DIM"], c.constexprs["CAUSAL"], c.constexprs["IS_VARLEN"])
+           for c in rec if c.kernel == "attention.fwd"}
+    assert {(d, causal, True) for d in (64, 96, 128, 256) for causal in (True, False)} <= att
+    assert any(c.constexprs["BLOCK_R"] == 256 and "R" in c.unaligned_args for c in rec if c.kernel == "lora.down")
+    assert all(c.source for c in rec) and any(c.source.startswith("shipped") for c in rec)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("FTLIB_COMPILE_RECORDED") != "1",
+                    reason="88 more compiles (~4 min on 2 cores): set FTLIB_COMPILE_RECORDED=1, or run "
+                    "benchmarks/compile_report.py --selection recorded")
+def test_every_shipped_launch_compiles_without_spill(tmp_path):
+    # every launch the shipped models make (head dims 64 / 128, ranks <= 64), default tiles on sm_90;
+    # the whole sweep, both Triton versions: benchmarks/compile_report.py --selection recorded
+    shipped = cc.list_cases("recorded-shipped")
+    bad = []
+    for c, r in zip(shipped, cc.run_cases(shipped, jobs=2, cache_dir=str(tmp_path))):
+        if r.error or r.spill or r.shared > cc.TARGETS[c.target][1] or (c.estimate is not None and c.estimate < r.shared):
+            bad.append(f"{c.kernel} {c.variant} {c.config}: {r}")
+    assert not bad, "\n".join(bad)
