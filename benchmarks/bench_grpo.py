@@ -125,6 +125,9 @@ def run_trl(args) -> dict:
 
 
 def child(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
     res = (run_ftlib if args.provider == "ftlib" else run_trl)(args)
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(res))
@@ -136,6 +139,7 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1, help="torch threads, the same for both")
     p.add_argument("--provider", choices=["ftlib", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -146,7 +150,7 @@ def main(argv=None):
         for provider in ("ftlib", "trl"):
             cmd = [sys.executable, __file__, "--provider", provider, "--root", root, "--steps", str(args.steps),
                    "--prompts", str(args.prompts), "--group", str(args.group), "--max-new-tokens",
-                   str(args.max_new_tokens)]
+                   str(args.max_new_tokens), "--threads", str(args.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if out.returncode or not line:
@@ -157,7 +161,7 @@ def main(argv=None):
                          "s_per_step": round(g + t, 4), "peak_rss_mb": round(r["peak_rss_mb"], 1)})
     base = rows[1]
     print(f"GRPO step, {args.prompts} prompts x G={args.group}, max {args.max_new_tokens} new tokens, "
-          f"{args.steps} timed steps, CPU")
+          f"{args.steps} timed steps, CPU, {args.threads} thread(s)")
     print(f"{'provider':<8} {'gen s/step':>11} {'train s/step':>13} {'total s/step':>13} {'peak RSS MB':>12} "
           f"{'speedup':>8} {'memory':>7}")
     for r in rows:
@@ -172,11 +176,11 @@ def main(argv=None):
         w = csv.writer(f)
         if new:
             w.writerow(["date", "provider", "prompts", "group", "max_new_tokens", "steps", "gen_s_per_step",
-                        "train_s_per_step", "s_per_step", "peak_rss_mb", "cpu", "torch"])
+                        "train_s_per_step", "s_per_step", "peak_rss_mb", "threads", "cpu", "torch"])
         for r in rows:
             w.writerow([datetime.now(timezone.utc).isoformat(timespec="seconds"), r["provider"], args.prompts,
                         args.group, args.max_new_tokens, args.steps, r["gen_s_per_step"], r["train_s_per_step"],
-                        r["s_per_step"], r["peak_rss_mb"], platform.processor() or platform.machine(),
+                        r["s_per_step"], r["peak_rss_mb"], args.threads, platform.processor() or platform.machine(),
                         torch.__version__])
 
 

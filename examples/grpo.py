@@ -93,6 +93,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # a 2-layer model: more threads cost CPU time, not wall time (25x on a busy 2-core box)
     assets = make_demo_assets(out / "assets", seed=args.seed)
     tok = load_tokenizer(assets / "base")
     train = [words_of(r) for r in demo_records(2000, args.seed)]
