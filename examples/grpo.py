@@ -69,14 +69,14 @@ def accuracy(model, tok, lists) -> float:
     return sum(g == " ".join(reversed(w)) for g, w in zip(got, lists)) / len(lists)
 
 
-def sft(model, tok, lists, steps, seed):
-    """Noisy SFT: 40 % of the answers reversed (right), 60 % the list as given (wrong)."""
+def sft(model, tok, lists, steps, seed, right=0.4, lr=3e-3):
+    """Noisy SFT: a fraction ``right`` of the answers reversed (right), the others the list as given (wrong)."""
     rng, eos = random.Random(seed), tok.eos_token_id
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
         docs, masks = [], []
         for w in rng.sample(lists, 32):
-            ans = reversed(w) if rng.random() < 0.4 else w
+            ans = reversed(w) if rng.random() < right else w
             p, a = tok.encode(prompt_text(w), add_special_tokens=False), tok.encode(" ".join(ans), add_special_tokens=False)
             docs.append(p + a + [eos])
             masks.append([0] * len(p) + [1] * (len(a) + 1))
