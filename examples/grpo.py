@@ -43,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--demo", action="store_true", help="tiny self-made model and task (the only mode so far)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft-steps", type=int, default=250)
+    p.add_argument("--sft-right", type=float, default=0.4, help="fraction of SFT answers that are right")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
@@ -101,7 +102,7 @@ def main(argv=None):
     assert not {tuple(w) for w in held} & {tuple(w) for w in train}, "a held-out prompt in training"
     if not (out / "sft" / "config.json").exists():  # the starting point, made once (a resumed run reuses it)
         model = load_pretrained(assets / "base", dtype=torch.float32)
-        sft(model, tok, train, args.sft_steps, args.seed)
+        sft(model, tok, train, args.sft_steps, args.seed, right=args.sft_right)
         save_pretrained(model, out / "sft")
     model = load_pretrained(out / "sft", dtype=torch.float32)
     acc_before = accuracy(model, tok, held)
