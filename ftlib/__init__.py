@@ -10,6 +10,7 @@ Modules (import the ones you need; nothing here pulls in optional dependencies):
 - ``ftlib.sched``    LR schedules (warmup + cosine/linear/constant, WSD, plateau-aware hybrid, warm restarts)
 - ``ftlib.losses``   token-summed and chunked cross-entropy, Bradley-Terry reward loss
 - ``ftlib.preference``  DPO-family losses, chunked sequence log-probs, reference log-probs (pairs: ``ftlib.data.pairs``)
+- ``ftlib.rl``       online RL with verifiable rewards: rollouts, rewards, GRPO / Dr. GRPO / DAPO losses, KTO
 - ``ftlib.kernels``  attention (flash-attn / Triton / SDPA / reference), fused LoRA matmul, token augmentation
 - ``ftlib.augment``  synonym swap and POS-aware masking of target tokens on the device
 - ``ftlib.embed_noise``  NEFTune noise on the input embeddings, per packed document

@@ -74,9 +74,9 @@ from .losses import IGNORE_INDEX, head_weight
 
 __all__ = [
     "LOSS_KINDS", "LikelihoodDisplacementMonitor", "LikelihoodDisplacementWarning", "PairLogps", "PreferenceLoss",
-    "PreferenceOutput", "SequenceLogprobs", "dpo_sigmoid_loss", "dpop_penalty", "hinge_loss", "ipo_loss",
+    "PreferenceOutput", "SequenceLogprobs", "TokenLogprobs", "dpo_sigmoid_loss", "dpop_penalty", "hinge_loss", "ipo_loss",
     "orpo_loss", "pair_logps", "precompute_reference", "reference_pair_logps", "robust_dpo_loss", "rpo_nll",
-    "sequence_logprobs", "simpo_loss",
+    "sequence_logprobs", "simpo_loss", "token_logprobs",
 ]
 
 LOSS_KINDS = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo")
@@ -86,11 +86,12 @@ _REFERENCE_FREE = ("simpo", "orpo")
 # ---- sequence log-probabilities ------------------------------------------------------------------
 class _ChunkedTokenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, y, chunk_size, dtype, softcap=None):
+    def forward(ctx, h, weight, y, chunk_size, dtype, softcap=None, with_entropy=False):
         # h (N, H) target tokens only, weight (V, H), y (N,); matmuls in `dtype`, softmax in fp32 (fp64 stays)
         acc = torch.promote_types(dtype, torch.float32)
         logp = torch.empty(h.shape[0], dtype=acc, device=h.device)
         lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         with torch.autocast(device_type=h.device.type, enabled=False):
             w_t = weight.to(dtype).t()  # (H, V), converted once
             for s in range(0, h.shape[0], chunk_size):
@@ -100,12 +101,15 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 lse_c = torch.logsumexp(z, dim=-1)
                 lse[s : s + chunk_size] = lse_c
                 logp[s : s + chunk_size] = z.gather(1, y[s : s + chunk_size, None]).squeeze(1) - lse_c
+                if with_entropy:  # H = lse - sum_v p_v z_v, from the block already in hand
+                    entropy[s : s + chunk_size] = lse_c - (torch.exp(z - lse_c[:, None]) * z).sum(-1)
         ctx.save_for_backward(h, weight, y, lse)
         ctx.chunk_size, ctx.dtype, ctx.softcap = chunk_size, dtype, softcap
-        return logp
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_entropy=None):
         h, weight, y, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         c, dtype, acc = ctx.chunk_size, ctx.dtype, lse.dtype
@@ -129,7 +133,7 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 grad_h[s : s + c] = (dz.to(dtype) @ w).to(h.dtype)
             if need_w:
                 grad_w += dz.t() @ hc.to(acc)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
 
 
 @dataclass
@@ -144,10 +148,35 @@ class SequenceLogprobs:
         return self.sum / self.count.clamp(min=1).to(self.sum.dtype)
 
 
-def sequence_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, *,
-                      cu_seqlens: torch.Tensor | None = None, chunk_size: int = 1024,
-                      ignore_index: int = IGNORE_INDEX, softcap: float | None = None) -> SequenceLogprobs:
-    """Sum and count of ``log p(labels[t] | ...)`` per document, without [tokens, V] logits.
+@dataclass
+class TokenLogprobs:
+    """Per-target-token log-probabilities of a batch, in document then position order.
+
+    ``logp`` [N] (fp32; fp64 for fp64 inputs), ``doc`` [N] int64 (the document of each target),
+    ``n_docs``, and ``entropy`` [N] of the predicted distribution (no gradient) when asked for."""
+
+    logp: torch.Tensor
+    doc: torch.Tensor
+    n_docs: int
+    entropy: torch.Tensor | None = None
+
+    def per_document(self) -> SequenceLogprobs:
+        total = torch.zeros(self.n_docs, dtype=self.logp.dtype, device=self.logp.device).index_add(0, self.doc, self.logp)
+        count = torch.zeros(self.n_docs, dtype=torch.int64, device=self.logp.device).index_add(
+            0, self.doc, torch.ones_like(self.doc))
+        return SequenceLogprobs(total, count)
+
+
+def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, *,
+                   cu_seqlens: torch.Tensor | None = None, chunk_size: int = 1024, temperature: float = 1.0,
+                   entropy: bool = False, ignore_index: int = IGNORE_INDEX,
+                   softcap: float | None = None) -> TokenLogprobs:
+    """``log softmax(W h_{t-1} / temperature)[labels[t]]`` for every target token, without [tokens, V] logits.
+
+    ``temperature`` divides the logits (as a sampler at that temperature sees them; done on h, the
+    head being linear; not with ``softcap``); ``entropy=True`` also returns each predicted
+    distribution's entropy, from the same logit blocks. The rest as ``sequence_logprobs``, which sums
+    these per document:
 
     hidden [B, T, H] (final-norm output), lm_head_weight [V, H], labels [B, T] aligned with
     input_ids. Documents: the segments of ``cu_seqlens`` (int32 [S + 1] over the flattened B*T
@@ -164,9 +193,15 @@ def sequence_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels
         raise ValueError(f"labels must be [B, T]={(b, t)}, got {tuple(labels.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if softcap is not None and temperature != 1.0:
+        raise NotImplementedError("token_logprobs: temperature with a logit softcap is not supported yet")
     y = labels[:, 1:].reshape(-1).long()
     keep = (y != ignore_index).nonzero().squeeze(1)  # (N,) shifted positions with a target
     h = hidden[:, :-1].reshape(-1, hdim).index_select(0, keep)  # (N, H): the predicting states
+    if temperature != 1.0:
+        h = h / temperature
     y = y.index_select(0, keep)
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= lm_head_weight.shape[0]):
         raise ValueError(f"labels must be in [0, {lm_head_weight.shape[0]}) or {ignore_index}")
@@ -174,8 +209,8 @@ def sequence_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels
         dtype = torch.get_autocast_dtype(h.device.type)
     else:
         dtype = torch.promote_types(h.dtype, lm_head_weight.dtype)
-    logp = _ChunkedTokenLogprob.apply(h, lm_head_weight, y, int(chunk_size), dtype,
-                                      None if softcap is None else float(softcap))  # (N,)
+    logp, ent = _ChunkedTokenLogprob.apply(h, lm_head_weight, y, int(chunk_size), dtype,
+                                           None if softcap is None else float(softcap), bool(entropy))  # (N,)
     # the document of a target is the document of the target token (flat position of labels[:, 1:])
     rows, cols = keep // (t - 1), keep % (t - 1) + 1
     if cu_seqlens is None:
@@ -187,9 +222,16 @@ def sequence_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels
         if cu.ndim != 1 or int(cu[0]) != 0 or int(cu[-1]) != b * t:
             raise ValueError(f"cu_seqlens must be 1-D from 0 to B*T={b * t}, got {cu.tolist()[:4]}...")
         doc, n_docs = torch.searchsorted(cu, rows * t + cols, right=True) - 1, cu.numel() - 1
-    total = torch.zeros(n_docs, dtype=logp.dtype, device=logp.device).index_add(0, doc, logp)
-    count = torch.zeros(n_docs, dtype=torch.int64, device=logp.device).index_add(0, doc, torch.ones_like(doc))
-    return SequenceLogprobs(total, count)
+    return TokenLogprobs(logp, doc, int(n_docs), ent if entropy else None)
+
+
+def sequence_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, *,
+                      cu_seqlens: torch.Tensor | None = None, chunk_size: int = 1024,
+                      ignore_index: int = IGNORE_INDEX, softcap: float | None = None) -> SequenceLogprobs:
+    """Sum and count of ``log p(labels[t] | ...)`` per document, without [tokens, V] logits (``token_logprobs``
+    summed per document)."""
+    return token_logprobs(hidden, lm_head_weight, labels, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                          ignore_index=ignore_index, softcap=softcap).per_document()
 
 
 @dataclass

@@ -19,6 +19,8 @@ Sampling of the next token from logits z (float32) at the last position:
     top-p (nucleus)   keep the smallest set of most likely tokens whose
                       probability mass reaches p (Holtzman et al. 2019); p = 1
                       keeps every token (no filtering, whatever the rounding)
+    min-p             keep the tokens with p >= min_p * max p (Nguyen et al. 2024),
+                      p after temperature and the filters above
 
 Generation runs under ``torch.no_grad()``; the model's training mode is left as
 the caller set it.
@@ -98,7 +100,8 @@ class KVCache:
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                top_p: float | None = None, min_p: float | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token ids [B] from logits [B, V] (see the module docstring for the rules)."""
     logits = logits.to(torch.float32)
     if temperature == 0.0:
@@ -122,6 +125,10 @@ def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | 
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(-1)
+    if min_p is not None:
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -135,6 +142,7 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     stop_tokens: Iterable[int] | int | None = None,
     pad_token_id: int = 0,
     generator: torch.Generator | None = None,
@@ -182,7 +190,8 @@ def generate(
         hidden = model.model(step_ids, attention_mask=step_mask, kv_cache=kv_cache)  # (B, T_step, H)
         last = hidden[:, -1]  # (B, H): only the last position's logits are needed (soft-capped where configured)
         logits = model.logits(last) if hasattr(model, "logits") else linear_module(model.lm_head, last)
-        nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          generator=generator)
         out[:, n - 1] = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
         done |= torch.isin(nxt, stops)
         if bool(done.all()):
