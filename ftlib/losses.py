@@ -197,7 +197,9 @@ def chunked_cross_entropy(
     when autocast is on (else the inputs' common dtype), softmax in fp32. ``chunk_size``: target
     tokens per [chunk, V] block (None: :func:`auto_chunk_size` of V and the device). When grad mode is on and an
     input requires grad, the gradient is computed here and ``backward`` only scales it (see the
-    module docstring). Returns (loss_sum fp32 0-d, num_tokens int64 0-d).
+    module docstring). Returns (loss_sum fp32 0-d, num_tokens int64 0-d). The count was read to the
+    host anyway, so it comes back as a CPU tensor (usable with device tensors like a number): the
+    optimizer then knows a window's token count without another device sync.
     """
     if hidden.ndim != 3:
         raise ValueError(f"hidden must be [B, T, H], got shape {tuple(hidden.shape)}")
@@ -233,7 +235,7 @@ def chunked_cross_entropy(
     need_h, need_w = grads and hidden.requires_grad, grads and lm_head_weight.requires_grad
     loss = _ChunkedCE.apply(h, lm_head_weight, y, int(chunk_size), dtype, need_h, need_w,
                             None if softcap is None else float(softcap))
-    return loss, n_target
+    return loss, torch.tensor(n, dtype=torch.int64)
 
 
 def bradley_terry_loss(

@@ -217,6 +217,11 @@ class StepResult:
     skip_reason: str | None = None  # "non-finite gradients" or "no target tokens" when skipped
 
 
+def _host_value(t: torch.Tensor) -> float:
+    """A CPU tensor's value: a read with no device sync (what chunked_cross_entropy's count is on CUDA too)."""
+    return float(t)
+
+
 class TrainOptimizer:
     """Wrap a ``torch.optim`` optimizer for accumulation, precision and skip-on-non-finite.
 
@@ -331,7 +336,10 @@ class TrainOptimizer:
 
     def _reset_window(self) -> None:
         self._loss_sum: torch.Tensor | None = None
-        self._tokens: torch.Tensor | None = None
+        self._tokens: torch.Tensor | None = None  # the counts given as device tensors, summed
+        self._host_tokens = 0.0  # the counts given as numbers or CPU tensors (known without a device sync)
+        self._micro = 0  # backward() calls in this window
+        self._host_total: float | None = None  # one process, every count on the host: the window's tokens
         self._pre_factor: float | None = None  # R / N when set_window_tokens was called
         self._window_local: int | None = None
         self._totals: torch.Tensor | None = None  # [tokens, loss_sum] over all ranks
@@ -385,7 +393,7 @@ class TrainOptimizer:
 
     def set_window_tokens(self, num_tokens: int) -> None:
         """Declare this rank's target-token count for the coming window before its first backward."""
-        if self._tokens is not None:
+        if self._micro:
             raise RuntimeError("set_window_tokens() must come before the window's first backward()")
         if int(num_tokens) < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -407,7 +415,9 @@ class TrainOptimizer:
             raise RuntimeError("backward() after prepare_grads(): call step() to close the window first")
         if not isinstance(loss_sum, torch.Tensor) or loss_sum.ndim != 0:
             raise ValueError("loss_sum must be a 0-d tensor: the summed (not averaged) token loss")
-        n = torch.as_tensor(num_tokens, device=loss_sum.device).to(torch.float64)
+        on_host = isinstance(num_tokens, (int, float)) or (isinstance(num_tokens, torch.Tensor)
+                                                             and num_tokens.device.type == "cpu")
+        n = torch.as_tensor(num_tokens, device="cpu" if on_host else loss_sum.device).to(torch.float64)
         if n.ndim != 0:
             raise ValueError(f"num_tokens must be a scalar, got shape {tuple(n.shape)}")
         loss = loss_sum if self._pre_factor is None else loss_sum * self._pre_factor
@@ -416,7 +426,11 @@ class TrainOptimizer:
         loss.backward()
         s = loss_sum.detach().to(torch.float64)
         self._loss_sum = s if self._loss_sum is None else self._loss_sum + s
-        self._tokens = n if self._tokens is None else self._tokens + n
+        if on_host:
+            self._host_tokens += _host_value(n)
+        else:
+            self._tokens = n if self._tokens is None else self._tokens + n
+        self._micro += 1
 
     def prepare_grads(self) -> None:
         """Unscale (fp16) and divide gradients by the window's token count; idempotent.
@@ -425,26 +439,39 @@ class TrainOptimizer:
         """
         if self._prepared:
             return
-        if self._tokens is None:
+        if self._micro == 0:
             raise RuntimeError("no backward() in this window: nothing to step on")
-        if self._window_local is not None and round(float(self._tokens)) != self._window_local:
-            msg = f"set_window_tokens({self._window_local}) but backward() calls counted {round(float(self._tokens))} tokens"
-            self.zero_grad()  # drop the mis-normalised window
-            raise ValueError(msg)
-        totals = torch.stack([self._tokens, self._loss_sum]).to(self._comm_device())
-        self._totals = self._all_reduce(totals)
+        if self._window_local is not None:
+            counted = round(self._host_tokens + (float(self._tokens) if self._tokens is not None else 0.0))
+            if counted != self._window_local:
+                msg = f"set_window_tokens({self._window_local}) but backward() calls counted {counted} tokens"
+                self.zero_grad()  # drop the mis-normalised window
+                raise ValueError(msg)
+        if self._tokens is None and self._world() == 1:
+            # every count on the host and no other rank: the window's tokens are known without a read,
+            # and the loss sum joins step()'s one read of the norm and the clipper's statistics
+            self._host_total = self._host_tokens
+        else:
+            tokens = self._host_tokens if self._tokens is None else self._tokens + self._host_tokens
+            dev = self._comm_device()
+            totals = torch.stack([torch.as_tensor(tokens, dtype=torch.float64).to(dev), self._loss_sum.to(dev)])
+            self._totals = self._all_reduce(totals)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if self._pre_factor is None:
             world = self._world() if self.grads_averaged else 1
-            factor = (world / self._totals[0].clamp(min=1.0)).double()
+            if self._host_total is not None:  # a Python number: no host-to-device copy
+                factor = world / max(self._host_total, 1.0)
+            else:
+                factor = (world / self._totals[0].clamp(min=1.0)).double()
             by_bucket: dict = {}
             for _, p in self._params():
                 if p.grad is not None:
                     g = local_tensor(p.grad)
                     by_bucket.setdefault((g.device, g.dtype == torch.float64), []).append(g)
             for (device, f64), grads in by_bucket.items():
-                torch._foreach_mul_(grads, factor.to(device, torch.float64 if f64 else torch.float32))
+                torch._foreach_mul_(grads, factor if isinstance(factor, float)
+                                    else factor.to(device, torch.float64 if f64 else torch.float32))
         self._prepared = True
 
     def step(self, clipper=None) -> StepResult:
@@ -461,8 +488,13 @@ class TrainOptimizer:
         named = self._params()
         params = [p for _, p in named]
         # Host reads (device syncs on CUDA): the window's totals here, before the clipper (not called
-        # on an empty window), then the norm and the clipper's statistics together below: two a step
-        tokens, loss_sum = self._totals.double().tolist()
+        # on an empty window), then the norm and the clipper's statistics together below: two a step.
+        # One process with its counts on the host (chunked_cross_entropy's): the totals are known, and
+        # the loss sum is read with the norm: one a step
+        if self._host_total is not None:
+            tokens, loss_sum = self._host_total, None
+        else:
+            tokens, loss_sum = self._totals.double().tolist()
         empty = tokens == 0.0  # all ranks agree: the count is all-reduced
         if empty:
             norm, clip = grad_norm(params), None
@@ -475,7 +507,12 @@ class TrainOptimizer:
         read = norm.double().reshape(1)
         if clip is not None:
             read = torch.cat([read, clip.stacked().to(read.device)])
-        norm_v, *clip_values = read.tolist()
+        if loss_sum is None:
+            read = torch.cat([read, self._loss_sum.to(read.device, torch.float64).reshape(1)])
+            *read_values, loss_sum = read.tolist()
+        else:
+            read_values = read.tolist()
+        norm_v, *clip_values = read_values
         non_finite = not math.isfinite(norm_v)
         skipped = non_finite or empty
         skip_reason = "non-finite gradients" if non_finite else "no target tokens" if empty else None

@@ -32,8 +32,9 @@ _PY_READS = ("tolist", "cpu", "numpy")
 
 # Reads the GPU path never makes: branches taken only for tensors that live on the host (the
 # Triton launcher checks a CPU cu_seqlens on the host, where reading it costs nothing; on CUDA the
-# tensor is on the device and that branch is not taken)
-_HOST_ONLY = {("attention_triton.py", "_validate")}
+# tensor is on the device and that branch is not taken; the optimizer reads a token count that
+# chunked_cross_entropy returns on the host, on CUDA too)
+_HOST_ONLY = {("attention_triton.py", "_validate"), ("optim.py", "_host_value")}
 
 
 def _counted() -> bool:
@@ -117,13 +118,14 @@ def _step_counts(layers, py_reads, monkeypatch, attn="triton"):
     return counter.counts + py_reads
 
 
-@pytest.mark.parametrize("attn, allowed", [("triton", 3), ("sdpa", 4)])
+@pytest.mark.parametrize("attn, allowed", [("triton", 2), ("sdpa", 3)])
 def test_no_host_sync_per_layer_and_two_per_step(monkeypatch, py_reads, attn, allowed):
     one = _step_counts(1, py_reads, monkeypatch, attn)
     two = _step_counts(2, py_reads, monkeypatch, attn)
     per_layer = {k: two[k] - one[k] for k in two.keys() | one.keys() if two[k] != one[k]}
     assert per_layer == {}, f"host reads per decoder layer: {per_layer} (1 layer: {dict(one)}, 2: {dict(two)})"
     total = sum(one.values())
-    # 1 in chunked_cross_entropy (a micro-batch) + 2 in TrainOptimizer.step; the SDPA fallback reads the
+    # 1 in chunked_cross_entropy (a micro-batch) + 1 in TrainOptimizer.step (its count came from the loss,
+    # on the host; the loss sum is read with the norm and the clipper statistics); the SDPA fallback reads the
     # document boundaries once per batch (cached for every layer and the backward)
     assert total <= allowed, f"{total} host reads in one step outside the layers: {dict(one)}"
