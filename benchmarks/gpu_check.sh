@@ -2,7 +2,8 @@
 # Every GPU number in one command of at most 540 s on one H100/H200, steps in priority order.
 #
 #   step                                       limit  what
-#   preflight                                    15 s  versions, device, which optional packages import
+#   preflight                                    25 s  versions, device, which optional packages import
+#                                                      (a slow or failed preflight is noted; the steps run)
 #   warm                                         55 s  benchmarks/warm_kernels.py: default kernel variants
 #                                                      compiled in 12 parallel processes (the headline's first)
 #   headline_8b                                 165 s  benchmarks/bench_8b.py: Llama-3-8B shape, 32 layers,
@@ -19,7 +20,7 @@
 #   memory                                       10 s  bench_memory
 #   augment                                      10 s  bench_augment
 #                                             -----
-#                                               515 s  plus packing the archive after each step (< 1 s);
+#                                               525 s  plus packing the archive after each step (< 1 s);
 #                                                      no step runs past the 540 s total either
 #
 # Usage: benchmarks/gpu_check.sh [--dry-run] OUT_DIR     (PYTHON=... selects the interpreter)
@@ -88,7 +89,7 @@ if [ "$DRY" = 1 ]; then
     sline "gpu_check: DRY RUN (stubbed work; every number below is marked dry)"
     echo "preflight: dry run, nothing imported" >"$RES/preflight.log"
 else
-    timeout -k 5 15 "$PY" - >"$RES/preflight.log" 2>&1 <<'EOF'
+    timeout -k 5 25 "$PY" - >"$RES/preflight.log" 2>&1 <<'EOF'
 import importlib, sys
 for name in ("torch", "triton", "numpy", "pytest", "xdist", "transformers", "peft", "bitsandbytes", "flash_attn"):
     try:
@@ -112,10 +113,10 @@ EOF
         echo "$reason"
         exit 0
     elif [ "$pre" -ne 0 ]; then
-        sline "gpu_check: preflight failed (exit $pre)"
-        pack
-        echo "gpu_check: preflight failed (exit $pre); see results.tar.gz:results/preflight.log" >&2
-        exit 1
+        # a cold machine can be slow to import everything: note it and measure anyway (each step
+        # has its own limit and reports its own failure)
+        sline "gpu_check: preflight did not finish (exit $pre, 124 = its 25 s limit); steps run anyway"
+        echo "gpu_check: preflight did not finish (exit $pre); see results.tar.gz:results/preflight.log" >&2
     fi
     cat "$RES/preflight.log"
     sline "$(grep '^preflight: device' "$RES/preflight.log" || echo 'preflight: device unknown')"
