@@ -111,7 +111,7 @@ def build_ftlib(spec):
 
 def worker_ftlib(spec):
 
-    from bench_train import ftlib_phases, real_tokens
+    from bench_train import endless, ftlib_step, real_tokens
 
     from ftlib.clip import GlobalNormClipper
     from ftlib.data import TokenLoader
@@ -123,20 +123,9 @@ def worker_ftlib(spec):
     opt = TrainOptimizer(make_adamw(param_groups(model, lr=LR), lr=LR, impl="fused" if spec["device"] == "cuda"
                                     else "foreach"), precision="bf16")
     loader = TokenLoader(corpus(spec), batch_size=1, seq_len=spec["seq_len"], pad_id=0, packing=True, seed=0)
-    forward, loss, backward, optimizer = ftlib_phases(model, opt, GlobalNormClipper(1.0), spec["device"])
+    step = ftlib_step(model, opt, GlobalNormClipper(1.0), spec["device"])
     build_s = time.perf_counter() - t0
-
-    def step(batch):
-        forward(batch)
-        loss()
-        backward()
-        return optimizer()
-
-    def batches():
-        while True:
-            yield from loader
-
-    return run_steps(spec, batches(), step, real_tokens, build_s)
+    return run_steps(spec, endless(loader), step, real_tokens, build_s)
 
 
 def worker_hf(spec):

@@ -380,9 +380,8 @@ def ftlib_phases(model, opt, clip, device):
     return forward, loss, backward, optimizer
 
 
-def worker_ftlib(spec):
-    device = spec["device"]
-    model, opt, clip, loader, heldout = setup_ftlib(spec)
+def ftlib_step(model, opt, clip, device):
+    """One training step of ftlib as one call: the four phases of :func:`ftlib_phases` in order."""
     forward, loss, backward, optimizer = ftlib_phases(model, opt, clip, device)
 
     def step(batch):
@@ -391,11 +390,19 @@ def worker_ftlib(spec):
         backward()
         return optimizer()
 
-    def batches():
-        while True:
-            yield from loader
+    return step
 
-    out = _train(spec, batches(), step, real_tokens)
+
+def endless(loader):
+    """The loader's batches, epoch after epoch."""
+    while True:
+        yield from loader
+
+
+def worker_ftlib(spec):
+    device = spec["device"]
+    model, opt, clip, loader, heldout = setup_ftlib(spec)
+    out = _train(spec, endless(loader), ftlib_step(model, opt, clip, device), real_tokens)
     out["heldout_loss"] = heldout_ftlib(model, heldout, device, spec["bf16"], spec["seq_len"])
     return out
 
