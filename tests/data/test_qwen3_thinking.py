@@ -157,3 +157,31 @@ def test_the_check_fails_without_the_turn_header(qwen3_tokenizer, hf_tokenizer, 
     monkeypatch.setattr(formatting_mod.Formatter, "_answer_header", lambda self: "")
     with pytest.raises(Exception, match="cuts the start of an assistant content"):
         check(qwen3_tokenizer, hf_tokenizer, _formatter(qwen3_tokenizer), RECORDS["think_both"])
+
+
+def test_build_cli_on_thinking_conversations(qwen3_tokenizer, hf_tokenizer, write_jsonl, tmp_path):
+    """``python -m ftlib.data build`` with Qwen3's template read from the tokenizer folder: every record
+    is kept, and each cached document has the tokens and loss mask of the check above."""
+    import json
+
+    from ftlib.data import open_cache
+    from ftlib.data.__main__ import main as data_main
+
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    qwen3_tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3, "eos_token": "<|im_end|>",
+                                                               "bos_token": None}))
+    recs = list(RECORDS.values())
+    src = write_jsonl(tmp_path / "think.jsonl", recs)
+    assert data_main(["build", "--source", src, "--tokenizer", str(folder), "--out", str(tmp_path / "cache"),
+                      "--kind", "chat", "--num-proc", "1", "--no-progress"]) == 0
+    off, ids, mask = open_cache(str(tmp_path / "cache")).shard_arrays()[0]
+    assert len(off) - 1 == len(recs)
+    fmt = _formatter(qwen3_tokenizer)
+    for d, rec in enumerate(recs):
+        check(qwen3_tokenizer, hf_tokenizer, fmt, rec)
+        want = fmt(rec, "y", SkipReport(strict=True))
+        a, b = int(off[d]), int(off[d + 1])
+        assert np.asarray(ids[a:b]).tolist() == want.input_ids.tolist()
+        assert np.asarray(mask[a:b]).tolist() == want.loss_mask.tolist()
