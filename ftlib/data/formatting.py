@@ -76,8 +76,8 @@ Llama-3.1/3.2, Mistral, Hermes) have no ``{% generation %}`` markers, which TRL'
 ``assistant_only_loss`` needs, so the call's tokens are found the way content is: each call's
 function name is wrapped in sentinels too (they locate the call in the rendered text and show
 that the template writes every call, else the record is a ``template_error`` naming the missing
-calls). The turn's span runs from the first character the model writes — the turn's content
-when the template shows it, else the call's *lead*, what the template writes between an
+calls). The turn's span runs from the first character the model writes — the end of the turn's
+header where it is found (above), else the turn's content when the template shows it, else the call's *lead*, what the template writes between an
 assistant turn's header and a call's name (``<tool_call>\n{"name": "`` for Qwen/Hermes, ``{"name":
 "`` for Llama-3.1, ``[TOOL_CALLS] [{"name": "`` for Mistral), read once per template from a probe
 conversation as the text before the probe call's name less what precedes a plain assistant
