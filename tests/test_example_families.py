@@ -1,7 +1,8 @@
 """``examples/finetune_lora.py --model`` on tiny Qwen3, Gemma-3 and Phi-3 folders (written by transformers,
 the demo's tokenizer and data, each family's chat template): it trains, lowers nothing it should not, and
 its adapter loads in PEFT on the transformers model with ftlib's logits. The assistant-only loss mask of
-each template is checked token by token in ``tests/data/test_formatting.py`` (gemma, phi3, qwen2)."""
+each template is checked token by token in ``tests/data/test_formatting.py`` (gemma, phi3, qwen2) and
+``tests/data/test_qwen3_thinking.py`` (Qwen3's, against transformers' rendering)."""
 
 import json
 import shutil
@@ -17,7 +18,7 @@ peft = pytest.importorskip("peft")
 ROOT = Path(__file__).resolve().parent
 EXAMPLES = ROOT.parent / "examples"
 sys.path.insert(0, str(ROOT / "data"))
-from _chat_templates import PHI3, QWEN2  # noqa: E402
+from _chat_templates import PHI3, QWEN2, QWEN3  # noqa: E402
 
 # Gemma-3's template (tokenizer_config.json of the instruct models, text items only): the system turn is
 # folded into the first user turn, assistant turns are role "model", turns end with <end_of_turn>.
@@ -37,7 +38,7 @@ GEMMA3 = (
 SIZES = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512)
 FAMILIES = {
-    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True), QWEN2, "<|im_end|>"),
+    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True), QWEN3, "<|im_end|>"),
     "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=16), GEMMA3,
                "<eos>"),
     "phi3": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2), PHI3, "<|end|>"),

@@ -50,6 +50,22 @@ is raised); the token cache formats each chunk of records that way. ``loss_on="a
 token in the loss. A record with an empty assistant turn is reported as ``empty_response``:
 with loss on assistant turns only, that turn would teach the model to answer with nothing.
 
+Turn header and reasoning. A turn is trained from the first character the model writes: right after
+the turn's *header*, what the template writes before the model's part (``<|im_start|>assistant\n``
+for ChatML/Qwen), read once per template as the generation prompt of a one-user conversation (or,
+where the rendering without it is no prefix of the one with it, its longest tail that also precedes
+an assistant content in the probe below). So text a template writes between the header and the
+content is trained with the turn: Qwen3's ``<think>\n...\n</think>\n\n`` before the answer of the
+turns after the last user query (an empty block for the last turn when it has no reasoning, as
+Qwen3's non-thinking mode writes it), from the content's own ``<think>`` text or the message's
+``reasoning_content``. A template that splits the content (Qwen3 cuts it at ``</think>``) leaves only
+the end sentinel; the header places the turn's start then (a template with no header found there is a
+``template_error``). Rule for the turns whose reasoning the template drops (Qwen3: every assistant turn
+before the last user query): **train what is rendered**, the answer and the turn end; the dropped
+reasoning is not in the sequence and never gets loss. Such turns teach answers without a thinking
+block; to train every turn's reasoning, split a conversation into one record per assistant turn
+(the earlier turns' text as the template renders it, then the turn).
+
 Tool calls. An assistant turn with ``tool_calls`` (OpenAI's ``[{"id", "type": "function",
 "function": {"name", "arguments"}}]``, or flat ``{"name", "arguments"}``; ``content`` may be
 empty, ``None`` or missing) is what the model must learn to write, so it is trained whole: the
@@ -60,8 +76,8 @@ Llama-3.1/3.2, Mistral, Hermes) have no ``{% generation %}`` markers, which TRL'
 ``assistant_only_loss`` needs, so the call's tokens are found the way content is: each call's
 function name is wrapped in sentinels too (they locate the call in the rendered text and show
 that the template writes every call, else the record is a ``template_error`` naming the missing
-calls). The turn's span runs from the first character the model writes — the turn's content
-when the template shows it, else the call's *lead*, what the template writes between an
+calls). The turn's span runs from the first character the model writes — the end of the turn's
+header where it is found (above), else the turn's content when the template shows it, else the call's *lead*, what the template writes between an
 assistant turn's header and a call's name (``<tool_call>\n{"name": "`` for Qwen/Hermes, ``{"name":
 "`` for Llama-3.1, ``[TOOL_CALLS] [{"name": "`` for Mistral), read once per template from a probe
 conversation as the text before the probe call's name less what precedes a plain assistant
@@ -306,6 +322,7 @@ class Formatter:
             warnings.warn("FTLIB_BPE_BACKEND is no longer read: ftlib encodes data with the tokenizer of record "
                           "(tokenizers) only; unset it", stacklevel=2)
         self._lead = None  # what the template writes before a tool call's name (_call_lead), once read
+        self._header = None  # what the template writes right before the model's part of a turn (_answer_header)
 
     @property
     def n_truncated(self) -> int:
@@ -448,6 +465,29 @@ class Formatter:
                               "no text with it (at the name, at worst)", stacklevel=4)
         return self._lead
 
+    def _answer_header(self) -> str:
+        """What the template writes right before the model's part of an assistant turn (``<|im_start|>assistant\\n``
+        for ChatML/Qwen), read once: the generation prompt after a one-user conversation, or, where the
+        rendering without it is not a prefix of the one with it, the longest tail it shares with what the
+        probe conversation writes between a user content and the next assistant content; '' if none."""
+        if self._header is None:
+            tmpl, kw, self._header = self.cfg.chat_template, self._kw(), ""
+            one = [{"role": "user", "content": "\ue010"}]
+            try:
+                gen = render_chat(one, tmpl, **{**kw, "add_generation_prompt": True})
+                bare = render_chat(one, tmpl, **kw)
+                probe = render_chat([{"role": r, "content": x} for r, x in _PROBE], tmpl, **kw)
+            except Exception:  # the records say why
+                return self._header
+            u, u1, a1 = gen.find("\ue010"), probe.find("\ue010"), probe.find("\ue011")
+            if gen.startswith(bare) and len(gen) > len(bare) and u < len(bare):
+                self._header = gen[len(bare):]
+            elif 0 <= u and 0 <= u1 < a1:
+                g, h = gen[u + 1 :], probe[u1 + 1 : a1]
+                n = len(os.path.commonprefix([g[::-1], h[::-1]]))
+                self._header = g[len(g) - n :] if n else ""
+        return self._header
+
     def _kw(self) -> dict:
         c = self.cfg
         return {"bos_token": self.bos_text or "", "eos_token": self.eos_text or "", "add_generation_prompt": False,
@@ -468,13 +508,20 @@ class Formatter:
         plain = None if fast else render_chat(msgs, c.chat_template, **kw)
         # a template that trims content sees the sentinels instead of the whitespace: then the content goes in
         # stripped (assistant turns, tool results, or both, as the template trims them)
-        for strip_a, strip_t in ((False, False), (True, False), (False, True), (True, True)):
+        # a template that tests a calling turn's content after transforming it (Qwen3: "<think>..</think>" and
+        # nothing after it is no content) sees the sentinels as content: then calling turns' contents go in
+        # unmarked (the call's marks and the turn header place such a turn)
+        variants = [(a, t, True) for a, t in ((False, False), (True, False), (False, True), (True, True))]
+        if has_calls:
+            variants += [(a, t, False) for a, t, _ in variants]
+        for strip_a, strip_t, mark_calling in variants:
             marked = []
             for j, m in enumerate(msgs):
                 if m["role"] == "assistant" and j >= n_context:
                     content = m["content"].strip() if strip_a else m["content"]
                     # an empty content stays empty (a template tests it: "if message.content")
-                    m = {**m, "content": _S0 + content + _S1 if content or not m.get("tool_calls") else content}
+                    mark = content and (mark_calling or not m.get("tool_calls")) or not m.get("tool_calls")
+                    m = {**m, "content": _S0 + content + _S1 if mark else content}
                     if m.get("tool_calls"):
                         m["tool_calls"] = [_mark_call(k) for k in m["tool_calls"]]
                 elif m["role"] in _TOOL_ROLES:
@@ -530,6 +577,9 @@ class Formatter:
             if k + 1 < len(events) and events[k][0] == _S0 and events[k + 1][0] == _S1:
                 content = (events[k][1], events[k + 1][1])
                 k += 2
+            elif k < len(events) and events[k][0] == _S1:  # the template cut the content's start away (Qwen3's
+                content = (None, events[k][1])  # </think> split): the turn starts after its header
+                k += 1
             elif not m.get("tool_calls"):
                 continue  # a turn the template does not show: nothing to train on there
             calls = m.get("tool_calls") or []
@@ -541,8 +591,18 @@ class Formatter:
             if len(names) != len(calls):
                 raise ValueError(f"the chat template shows {len(names)} of the {len(calls)} tool calls of an "
                                  "assistant turn (it does not render 'tool_calls')")
+            # the model's part of the turn starts right after the turn's header: what the template writes there
+            # before the content (Qwen3's kept <think> block of the last turns) is the model's to write too
+            anchor = (content[0] if content[0] is not None else content[1]) if content else names[0][0]
+            hdr = self._answer_header()
+            h = plain.rfind(hdr, floor, anchor) if hdr else -1
+            head = h + len(hdr) if h >= 0 else None
+            if content is not None and content[0] is None and head is None:
+                raise ValueError("the chat template cuts the start of an assistant content away (it splits or "
+                                 "rewrites it) and writes no turn header ftlib can find before it: where that "
+                                 "turn starts is unknown")
             if not calls:
-                s, e = content
+                s, e = head if head is not None else content[0], content[1]
                 if te and plain.startswith(te, e):
                     e += len(te)
                 spans.append((s, e))
@@ -555,7 +615,9 @@ class Formatter:
                 before = plain[floor:first]
                 start = first - len(os.path.commonprefix([before[::-1], lead[::-1]]))
             if content is not None:
-                start = min(start, content[0])
+                start = min(start, content[1] if content[0] is None else content[0])
+            if head is not None:
+                start = min(start, head)
             end = plain.find(te, last) if te else -1
             nxt = events[k][1] if k < len(events) else len(plain) + 1
             if end < 0 or end >= nxt:

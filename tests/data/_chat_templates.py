@@ -223,6 +223,11 @@ QWEN3_TOOLS = """{%- if tools %}
     {%- endif %}
 {%- endif %}"""
 
+# Qwen3's one template (Qwen/Qwen3-0.6B ... -32B): it splits an assistant content at </think>, drops the
+# reasoning of the turns before the last user query, writes <think>\n...\n</think>\n\n before the answer of
+# those after it (empty for the last turn), reads reasoning_content, tools and tool calls
+QWEN3 = QWEN3_TOOLS
+
 _LLAMA31_HEAD = """{{- bos_token }}
 {%- if custom_tools is defined %}
     {%- set tools = custom_tools %}

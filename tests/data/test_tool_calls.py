@@ -39,10 +39,11 @@ EXPECTED = {
                  "It is sunny.<|im_end|>"],
                 ['Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
                  "<|im_end|>", "It is sunny.<|im_end|>"]),
+    # Qwen3 writes an (empty) <think> block before the last turn's answer: the model writes it too
     "qwen3": (['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
-               "It is sunny.<|im_end|>"],
+               "<think>\n\n</think>\n\nIt is sunny.<|im_end|>"],
               ['Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-               "<|im_end|>", "It is sunny.<|im_end|>"]),
+               "<|im_end|>", "<think>\n\n</think>\n\nIt is sunny.<|im_end|>"]),
     # Llama-3.1/3.2 and Hermes write no content beside a call: the call is the whole turn
     "llama3.1": (['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is sunny.<|eot_id|>"],) * 2,
     "llama3.2": (['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is sunny.<|eot_id|>"],) * 2,
@@ -160,7 +161,8 @@ def test_consecutive_and_parallel_calls_are_each_trained(tool_tokenizer, name):
     assert len(trained) == 3
     assert "Paris" in trained[0] and "sunny" not in trained[0]
     assert all(c["function"]["arguments"]["city"] in trained[1] for c in two) and "rain" not in trained[1]
-    assert trained[2].startswith("Sunny, then rain and snow.")
+    # Qwen3 writes an empty <think> block before the last answer: it is the model's to write
+    assert trained[2].removeprefix("<think>\n\n</think>\n\n" if name == "qwen3" else "").startswith("Sunny,")
     for t in trained[:2]:  # each calling turn from the call's first character to its turn end
         assert t.startswith(("<tool_call>", '{"name"', "[TOOL_CALLS]")), t
         assert t.endswith(TOOL_TEMPLATES[name][2]), t
