@@ -4,10 +4,13 @@
     python examples/grpo.py --demo --out runs/grpo --resume
 
 --demo: the tiny 2-layer model of ``examples/_demo_assets.py`` is first SFT'd on word-list reversal
-data in which 60 % of the answers are the list as given (a systematic error, as from a weak
-teacher): it reverses some of the time, so greedy decoding is mostly wrong. GRPO on the training
-prompts (reward 1 for the exact reversed list) then teaches it to reverse; the 64 held-out lists
-are never trained on and are scored by greedy decoding before and after. Per step: G completions
+data in which half the answers are the list as given (a systematic error, as from a weak teacher),
+long enough to learn both behaviours: partial skill by construction, not by stopping early (clean
+SFT jumps from 0 % to ~97 % within ~75 steps). Greedy decoding then reverses ~25-35 % of the
+held-out lists and a temperature-1 sample about as often, so most groups of G carry signal. GRPO on
+the training prompts (reward 1 for the exact reversed list) teaches it to reverse; the 64 held-out
+lists are never trained on and are scored by greedy decoding before and after (+35 to +55 points
+for seeds 0-2 with the defaults, ~2 min on a CPU core, most of it the SFT). Per step: G completions
 per prompt (dropout off), rewards, group advantages (zero-variance groups dropped and counted),
 packed rows, ``grpo_loss``; the reference is the SFT model (LoRA adapters disabled) when --beta > 0.
 Writes metrics.jsonl, metrics.png (the reward curve), checkpoints/ (adapter, optimizer, sampler RNG).
@@ -42,9 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default="runs/grpo")
     p.add_argument("--demo", action="store_true", help="tiny self-made model and task (the only mode so far)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-steps", type=int, default=250)
-    p.add_argument("--sft-right", type=float, default=0.4, help="fraction of SFT answers that are right")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--sft-steps", type=int, default=2000)
+    p.add_argument("--sft-right", type=float, default=0.5, help="fraction of SFT answers that are right")
+    p.add_argument("--steps", type=int, default=80)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
     p.add_argument("--mu", type=int, default=1, help="optimisation passes per rollout batch")
@@ -70,7 +73,7 @@ def accuracy(model, tok, lists) -> float:
     return sum(g == " ".join(reversed(w)) for g, w in zip(got, lists)) / len(lists)
 
 
-def sft(model, tok, lists, steps, seed, right=0.4, lr=3e-3):
+def sft(model, tok, lists, steps, seed, right=0.5, lr=3e-3):
     """Noisy SFT: a fraction ``right`` of the answers reversed (right), the others the list as given (wrong)."""
     rng, eos = random.Random(seed), tok.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
