@@ -6,7 +6,7 @@ bundled in the triton wheel and reads ``cuobjdump -res-usage``. Selections:
   defaults  the configuration each launch takes without autotuning, every kernel x variant x target
   full      every configuration the launchers may choose (autotuning), plus the ones they prune on
             a target (marked "(pruned)": compiled for the record, never launched there)
-  recorded  the launches the code makes (``ftlib.kernels._launch_recorder``: LoRALinear under bf16
+  recorded  the launches the code makes (``ftlib.lora.compile_cases``: LoRALinear under bf16
             autocast with fp32 adapters, the attention op; head dims 16-256, causal and not, varlen
             and dense, ranks 8-256 incl. unaligned, NF4, DoRA, dropout), each launch's default
             configuration on sm_90 and sm_80; ``source`` names the driving case ("shipped: ..." for
@@ -59,7 +59,13 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=32, help="cases compiled between two CSV flushes")
     args = ap.parse_args()
     targets = set(args.targets.split(","))
-    todo = [c for c in cc.list_cases(args.selection) if c.target in targets]
+    if args.selection.startswith("recorded"):  # the launches the code makes (built from the adapters)
+        from ftlib.lora import compile_cases
+
+        listed = compile_cases.list_cases(args.selection)
+    else:
+        listed = cc.list_cases(args.selection)
+    todo = [c for c in listed if c.target in targets]
     kept = []
     if args.kernels:
         redo = set(args.kernels.split(","))

@@ -30,8 +30,8 @@ import subprocess
 import sys
 import tempfile
 
-__all__ = ["Case", "Result", "TARGETS", "augment_cases", "cases", "ci_cases", "compile_case", "cuobjdump_path", "list_cases",
-           "recorded_cases", "recorded_ci_cases", "run_cases"]
+__all__ = ["Case", "LORA_BLOCKS", "Result", "TARGETS", "augment_cases", "cases", "ci_cases", "clean_env",
+           "compile_case", "config_text", "cuobjdump_path", "list_cases", "list_in_fresh_process", "run_cases", "signature_key"]
 
 # target name -> (compute capability, shared memory per block in bytes, opt-in maximum)
 TARGETS = {"sm_90": (90, 232_448), "sm_80": (80, 166_912), "sm_89": (89, 101_376)}
@@ -137,7 +137,8 @@ def compile_case(case: Case) -> Result:
     return Result(shared=int(kernel.metadata.shared), registers=int(m.group(1)), spill=int(m.group(2)))
 
 
-def _cfg_text(c, names) -> str:
+def config_text(c, names) -> str:
+    """A tile configuration as the tables print it: ``128x64x32 w8 s3`` (the named blocks, warps, stages)."""
     return "x".join(str(c.kwargs[n]) for n in names) + f" w{c.num_warps} s{c.num_stages}"
 
 
@@ -145,7 +146,7 @@ def _cfg_text(c, names) -> str:
 # LoRA passes
 # ----------------------------------------------------------------------------------------------
 
-_LORA_BLOCKS = {"fwd": ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "dx": ("BLOCK_M", "BLOCK_K", "BLOCK_N"),
+LORA_BLOCKS = {"fwd": ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "dx": ("BLOCK_M", "BLOCK_K", "BLOCK_N"),
                 "down": ("BLOCK_M", "BLOCK_K"), "v": ("BLOCK_M", "BLOCK_N"), "db": ("BLOCK_N", "BLOCK_M"),
                 "da": ("BLOCK_K", "BLOCK_M")}
 _LORA_FLOATS = ("scaling", "drop_scale")
@@ -228,12 +229,12 @@ def _lora_cases(target, full):
             fit = {id(c) for c, _ in configs}
             allc = [(c, None) for c in lt.CONFIGS[kind] if id(c) not in fit] if full else []
             for i, (c, est) in enumerate(list(configs) if full else configs[:1]):
-                out.append(Case(f"lora.{kind}", variant, _cfg_text(c, _LORA_BLOCKS[kind]), target, "ftlib.kernels.lora_triton",
+                out.append(Case(f"lora.{kind}", variant, config_text(c, LORA_BLOCKS[kind]), target, "ftlib.kernels.lora_triton",
                                 kind, ptr, _LORA_FLOATS, dict(meta, **c.kwargs), c.num_warps, c.num_stages, est,
                                 i == 0, aligned=not s.get("unaligned")))
             for c, _ in allc:  # pruned by the launcher on this target: compiled for the report only
                 est = lt.estimate_resources(kind, c, meta)[0]
-                out.append(Case(f"lora.{kind}", variant, _cfg_text(c, _LORA_BLOCKS[kind]) + " (pruned)", target,
+                out.append(Case(f"lora.{kind}", variant, config_text(c, LORA_BLOCKS[kind]) + " (pruned)", target,
                                 "ftlib.kernels.lora_triton", kind, ptr, _LORA_FLOATS, dict(meta, **c.kwargs),
                                 c.num_warps, c.num_stages, est, False, aligned=not s.get("unaligned")))
     return out
@@ -268,7 +269,7 @@ def _attention_cases(target, full):
         for kind in ("fwd", "dkdv", "dq"):
             configs = at.tile_configs(kind, meta, limit)
             for i, (c, est) in enumerate(configs if full else configs[:1]):
-                out.append(Case(f"attention.{kind}", variant, _cfg_text(c, ("BLOCK_M", "BLOCK_N")), target,
+                out.append(Case(f"attention.{kind}", variant, config_text(c, ("BLOCK_M", "BLOCK_N")), target,
                                 "ftlib.kernels.attention_triton", kind, ptr, ("qk_scale", "sm_scale", "cap_a", "cap_b"),
                                 dict(meta, **c.kwargs), c.num_warps, c.num_stages, est, i == 0,
                                 aligned=d % 16 == 0))
@@ -329,80 +330,18 @@ def ci_cases() -> list[Case]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Cases from the launches the code makes (``_launch_recorder``)
-# ----------------------------------------------------------------------------------------------
-
-_BLOCK_NAMES = {"lora": _LORA_BLOCKS, "attention": {k: ("BLOCK_M", "BLOCK_N") for k in ("fwd", "dkdv", "dq")}}
-
-
-def recorded_cases(targets=("sm_90",), shipped_only: bool = False, full: bool = False) -> list[Case]:
-    """The launches ``_launch_recorder.drive`` records (LoRALinear under autocast, the attention op;
-    shipped models' and the wider sweep), each with the configuration the launcher takes without
-    autotuning on each target (``full``: every configuration it keeps). Needs a process without
-    TRITON_INTERPRET (``list_cases("recorded")`` starts one)."""
-    from . import _launch_recorder as rec
-    from . import attention_triton as at
-    from . import lora_triton as lt
-
-    out = []
-    for launch, shipped in rec.drive(shipped_only):
-        meta, ptr = dict(launch.constexprs), dict(launch.ptr_types)
-        variant = ",".join(f"{k}={v}" for k, v in launch.constexprs if k not in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-        variant += "".join(f" {k}:{t}" for k, t in launch.ptr_types if t != "bf16")
-        if launch.unaligned:
-            variant += " unaligned:" + ",".join(launch.unaligned)
-        src = ("shipped: " if shipped else "") + launch.label
-        module = f"ftlib.kernels.{launch.family}_triton"
-        for target in targets:
-            cc, limit = TARGETS[target]
-            if launch.kind == "preprocess":
-                out.append(Case(f"{launch.family}.preprocess", variant, f"{meta['BLOCK_M']} w4 s3", target, module,
-                                "preprocess", ptr, launch.float_args, meta, 4, 3, None, True,
-                                unaligned_args=launch.unaligned, source=src))
-                continue
-            if launch.family == "lora":
-                configs = lt.tile_configs(launch.kind, meta, limit, cc)
-            else:
-                configs = at.tile_configs(launch.kind, meta, limit)
-            for i, (c, est) in enumerate(configs if full else configs[:1]):
-                out.append(Case(f"{launch.family}.{launch.kind}", variant,
-                                _cfg_text(c, _BLOCK_NAMES[launch.family][launch.kind]), target, module, launch.kind,
-                                ptr, launch.float_args, dict(meta, **c.kwargs), c.num_warps, c.num_stages, est,
-                                i == 0, unaligned_args=launch.unaligned, source=src))
-    return out
-
-
-def _signature_key(c: Case) -> tuple:
+def signature_key(c: Case) -> tuple:
+    """What makes two cases the same compile: kernel, target, constexprs, pointer types, warps, stages, alignment."""
     return (c.kernel, c.target, tuple(sorted(c.constexprs.items())), tuple(sorted(c.ptr_types.items())),
             c.num_warps, c.num_stages, c.aligned and not c.unaligned_args)
 
 
-def recorded_ci_cases() -> list[Case]:
-    """The CI share of the recorded cases (a few compiles: the suite's time is bounded): of the shipped
-    models' launches on sm_90 (head dims 64 / 128, ranks <= 64) that the hand-written CI subset does
-    not already compile, the first per kernel and feature set (NF4, double quantization, dropout, DoRA,
-    bias, varlen). Every recorded launch is compiled by ``test_compile_targets``'s slow test
-    and by ``benchmarks/compile_report.py --selection recorded``."""
-    have = {_signature_key(c) for c in ci_cases()}
-    out, seen = [], set()
-    feats = ("NF4", "DOUBLE_QUANT", "DROPOUT", "DORA", "HAS_BIAS", "IS_VARLEN")
-    for c in recorded_cases(("sm_90",), shipped_only=True):
-        key = (c.kernel, *(c.constexprs.get(f) for f in feats))
-        if _signature_key(c) not in have and key not in seen:
-            seen.add(key)
-            out.append(c)
-    return out
-
-
 _SELECTIONS = {"ci": lambda: ci_cases(), "defaults": lambda: cases(tuple(TARGETS)),
-               "full": lambda: cases(tuple(TARGETS), full=True),
-               "recorded": lambda: recorded_cases(("sm_90", "sm_80")),
-               "recorded-ci": lambda: recorded_ci_cases(),
-               "recorded-shipped": lambda: recorded_cases(("sm_90",), shipped_only=True)}
+               "full": lambda: cases(tuple(TARGETS), full=True)}
 
 
-def _clean_env(cache_dir: str | None = None) -> dict:
+def clean_env(cache_dir: str | None = None) -> dict:
+    """The environment a compile runs in: this one without TRITON_INTERPRET (and with ``cache_dir``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; fusion is every version's default
     if cache_dir:
@@ -411,25 +350,30 @@ def _clean_env(cache_dir: str | None = None) -> dict:
 
 
 def list_cases(selection: str) -> list[Case]:
-    """The cases of ``selection`` (``ci``, ``defaults``, ``full``, ``recorded`` or ``recorded-ci``) as the GPU
-    launchers choose them.
+    """The cases of ``selection`` (``ci``, ``defaults`` or ``full``) as the GPU launchers choose them
+    (the launches the code makes: ``ftlib.lora.compile_cases.list_cases``).
 
     The launchers' configuration lists depend on TRITON_INTERPRET (the interpreter uses 16-wide
     tiles), so under the interpreter they are listed by a fresh process without it.
     """
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         return _SELECTIONS[selection]()
+    return list_in_fresh_process("ftlib.kernels.compile_check", selection)
+
+
+def list_in_fresh_process(module: str, selection: str) -> list[Case]:
+    """``python -m MODULE --list SELECTION`` in a process without TRITON_INTERPRET: its cases."""
     with tempfile.TemporaryDirectory() as tmp:
         dst = os.path.join(tmp, "cases.json")
-        subprocess.run([sys.executable, "-m", "ftlib.kernels.compile_check", "--list", selection, dst],
-                       env=_clean_env(), check=True, timeout=600)
+        subprocess.run([sys.executable, "-m", module, "--list", selection, dst],
+                       env=clean_env(), check=True, timeout=600)
         with open(dst) as f:
             return [Case(**c) for c in json.load(f)]
 
 
 def run_cases(selected: list[Case], jobs: int = 1, cache_dir: str | None = None, timeout: float = 1800) -> list[Result]:
     """Compile ``selected`` in ``jobs`` fresh processes without TRITON_INTERPRET; results in order."""
-    env = _clean_env(cache_dir)
+    env = clean_env(cache_dir)
     parts = [p for p in ([list(range(i, len(selected), jobs)) for i in range(jobs)]) if p]
     procs = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,6 +27,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from ftlib.kernels import compile_check as cc  # noqa: E402
+from ftlib.lora import compile_cases  # noqa: E402
 
 
 def _have_nvidia_tools() -> bool:
@@ -40,9 +41,9 @@ def _have_nvidia_tools() -> bool:
 
 pytestmark = pytest.mark.skipif(not _have_nvidia_tools(), reason="triton without its bundled CUDA tools")
 
-# the hand-written CI subset, then a sample of the launches the code makes (compile_check.recorded_ci_cases:
+# the hand-written CI subset, then a sample of the launches the code makes (ftlib.lora.compile_cases.recorded_ci_cases:
 # LoRALinear under bf16 autocast with fp32 adapters, the attention op, as shipped models launch them)
-CASES = cc.list_cases("ci") + cc.list_cases("recorded-ci") if _have_nvidia_tools() else []
+CASES = cc.list_cases("ci") + compile_cases.list_cases("recorded-ci") if _have_nvidia_tools() else []
 IDS = [f"{c.kernel}-{c.variant}-{c.target}-{c.config.replace(' ', '_')}" for c in CASES]
 
 
@@ -89,7 +90,7 @@ def test_ci_subset_covers_every_kernel_and_variant():
 def test_recorded_launches_cover_the_sweep():
     # the recorder sees what the code launches: fp32 adapters beside bf16 activations, varlen and dense
     # attention at head dims 64-256 causal and not, unaligned ranks (r = 200 here)
-    rec = cc.list_cases("recorded")
+    rec = compile_cases.list_cases("recorded")
     assert {c.ptr_types.get("A") for c in rec if c.kernel == "lora.down"} == {"fp32"}
     assert {c.ptr_types.get("X") for c in rec if c.kernel == "lora.fwd"} == {"bf16"}
     att = {(c.constexprs["HEAD_DIM"], c.constexprs["CAUSAL"], c.constexprs["IS_VARLEN"])
@@ -106,7 +107,7 @@ def test_recorded_launches_cover_the_sweep():
 def test_every_shipped_launch_compiles_without_spill(tmp_path):
     # every launch the shipped models make (head dims 64 / 128, ranks <= 64), default tiles on sm_90;
     # the whole sweep, both Triton versions: benchmarks/compile_report.py --selection recorded
-    shipped = cc.list_cases("recorded-shipped")
+    shipped = compile_cases.list_cases("recorded-shipped")
     bad = []
     for c, r in zip(shipped, cc.run_cases(shipped, jobs=2, cache_dir=str(tmp_path))):
         if r.error or r.spill or r.shared > cc.TARGETS[c.target][1] or (c.estimate is not None and c.estimate < r.shared):

@@ -13,10 +13,10 @@ launchers, forward and backward, with CPU tensors. Outputs are left unwritten: t
 meaningless, the launch signatures are exact.
 
 It must run in a process where ``TRITON_INTERPRET`` was never set (the interpreter's tile lists
-differ; ``compile_check.list_cases("recorded")`` starts one). ``drive()`` runs the launches the
-shipped models make and the wider sweep (head dims 64-256, causal and not, ranks 8-256 including
-unaligned ones, NF4, DoRA, dropout); ``launches_to_cases`` turns the distinct ones into
-``compile_check.Case`` rows for the default configuration on each target.
+differ). ``ftlib.lora.compile_cases`` drives ``LoRALinear`` and the attention op (``drive_attention``)
+under ``recording()`` (the shipped models' launches and a wider sweep: head dims 64-256, causal and
+not, ranks 8-256 including unaligned ones, NF4, DoRA, dropout) and turns the distinct launches into
+``compile_check.Case`` rows; it sits at the adapters' layer because it builds adapters.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import os
 from types import SimpleNamespace
 
 import torch
+
+__all__ = ["H200", "Launch", "drive_attention", "recording"]
 
 _LORA_KINDS = {"_fwd_kernel": "fwd", "_down_kernel": "down", "_bwd_v_kernel": "v", "_bwd_db_kernel": "db",
                "_bwd_dx_kernel": "dx", "_bwd_da_kernel": "da"}
@@ -85,7 +87,7 @@ def recording():
     """Swap the kernels for recorders and emulate an H200; yields the list the launches go to and a
     one-element list holding the current case label (set it before each driven case)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        raise RuntimeError("_launch_recorder: needs a process without TRITON_INTERPRET (the GPU tile lists)")
+        raise RuntimeError("launch_recorder: needs a process without TRITON_INTERPRET (the GPU tile lists)")
     from . import _lora_kernels as lk
     from . import attention_triton as at
     from . import lora_triton as lt
@@ -121,33 +123,9 @@ def recording():
             setattr(obj, name, value)
 
 
-# ----------------------------------------------------------------------------------------------
-# What drives the launchers
-# ----------------------------------------------------------------------------------------------
-
-
-def _lora_layer(k, n, r, *, nf4=None, dora=False, dropout=0.0, bias=False):
-    from torch import nn
-
-    from ftlib.lora import LoRALinear, NF4Linear
-
-    base = nn.Linear(k, n, bias=bias, dtype=torch.bfloat16).requires_grad_(False)
-    if nf4:
-        base = NF4Linear.from_linear(base, blocksize=nf4[0], double_quant=nf4[1])
-    layer = LoRALinear(base, r, 2 * r, dropout=dropout, use_dora=dora).train()  # adapters fp32
-    return layer
-
-
-def _drive_lora(label, m, k, n, r, **kw):
-    layer = _lora_layer(k, n, r, **kw)
-    x = torch.zeros(m, k, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = layer(x)
-    y.backward(torch.zeros_like(y))
-
-
-def _drive_attention(d, causal, varlen, dtype=torch.bfloat16, hq=4, hkv=2):
-    from ftlib.kernels import attention
+def drive_attention(d, causal, varlen, dtype=torch.bfloat16, hq=4, hkv=2):
+    """One forward and backward of the attention op (GQA hq:hkv, head dim d), packed or dense."""
+    from .attention import attention
 
     if varlen:
         lens = [37, 64, 100]
@@ -161,44 +139,3 @@ def _drive_attention(d, causal, varlen, dtype=torch.bfloat16, hq=4, hkv=2):
         kv = [torch.zeros(2, 96, hkv, d, dtype=dtype, requires_grad=True) for _ in range(2)]
         o = attention(q, *kv, causal=causal)
     o.backward(torch.zeros_like(o))
-
-
-# (label, shipped) -> driver; "shipped": the launches Llama / Qwen / Mistral-class fine-tuning makes
-# (head dims 64 and 128, ranks <= 64, every linear a multiple of 16 wide)
-def _cases():
-    out = []
-    for d in (64, 96, 128, 256):
-        for causal in (True, False):
-            for varlen in (True, False):
-                shipped = d in (64, 128) and causal
-                out.append((f"attn d{d} {'causal' if causal else 'full'} {'varlen' if varlen else 'dense'}", shipped,
-                            lambda d=d, c=causal, v=varlen: _drive_attention(d, c, v)))
-    out.append(("attn d16 fp32 causal varlen", False, lambda: _drive_attention(16, True, True, torch.float32)))
-    out.append(("attn d64 fp32 causal varlen", False, lambda: _drive_attention(64, True, True, torch.float32)))
-    for r in (8, 16, 32, 64, 128, 200, 256):
-        shipped = r <= 64
-        for tag, kw in (("", {}), (" dropout", {"dropout": 0.05}), (" nf4", {"nf4": (64, False)}),
-                        (" nf4-dq dropout", {"nf4": (64, True), "dropout": 0.05}), (" dora", {"dora": True}),
-                        (" bias", {"bias": True})):
-            out.append((f"lora r{r}{tag}", shipped, lambda r=r, kw=kw: _drive_lora("", 256, 512, 384, r, **kw)))
-    for tag, kw in (("", {}), (" nf4-dq dropout", {"nf4": (64, True), "dropout": 0.05})):  # odd K / N / M
-        out.append((f"lora r16 odd shapes{tag}", False, lambda kw=kw: _drive_lora("", 100, 200, 136, 16, **kw)))
-    return out
-
-
-def drive(shipped_only: bool = False) -> list[tuple[Launch, bool]]:
-    """Run every driving case under ``recording()``; the distinct launches, each with whether a
-    shipped-model case makes it (first seen order)."""
-    torch.manual_seed(0)
-    seen: dict = {}
-    with recording() as (log, label):
-        for name, shipped, fn in _cases():
-            if shipped_only and not shipped:
-                continue
-            label[0] = name
-            start = len(log)
-            fn()
-            for launch in log[start:]:
-                prev = seen.get(launch.key())
-                seen[launch.key()] = (prev[0], prev[1] or shipped) if prev else (launch, shipped)
-    return list(seen.values())
