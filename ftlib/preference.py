@@ -86,7 +86,7 @@ _REFERENCE_FREE = ("simpo", "orpo")
 # ---- sequence log-probabilities ------------------------------------------------------------------
 class _ChunkedTokenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, y, chunk_size, dtype, softcap=None, with_entropy=False):
+    def forward(ctx, h, weight, y, chunk_size, dtype, softcap=None, with_entropy=False, out_scale=1.0):
         # h (N, H) target tokens only, weight (V, H), y (N,); matmuls in `dtype`, softmax in fp32 (fp64 stays)
         acc = torch.promote_types(dtype, torch.float32)
         logp = torch.empty(h.shape[0], dtype=acc, device=h.device)
@@ -98,13 +98,15 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 z = (h[s : s + chunk_size].to(dtype) @ w_t).to(acc)  # (C, V)
                 if softcap is not None:  # c tanh(z / c) (Gemma-2's final_logit_softcapping)
                     z = torch.tanh(z / softcap) * softcap
+                if out_scale != 1.0:  # 1 / temperature, after the cap
+                    z = z * out_scale
                 lse_c = torch.logsumexp(z, dim=-1)
                 lse[s : s + chunk_size] = lse_c
                 logp[s : s + chunk_size] = z.gather(1, y[s : s + chunk_size, None]).squeeze(1) - lse_c
                 if with_entropy:  # H = lse - sum_v p_v z_v, from the block already in hand
                     entropy[s : s + chunk_size] = lse_c - (torch.exp(z - lse_c[:, None]) * z).sum(-1)
         ctx.save_for_backward(h, weight, y, lse)
-        ctx.chunk_size, ctx.dtype, ctx.softcap = chunk_size, dtype, softcap
+        ctx.chunk_size, ctx.dtype, ctx.softcap, ctx.out_scale = chunk_size, dtype, softcap, out_scale
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -123,9 +125,13 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             if ctx.softcap is not None:
                 t = torch.tanh(z / ctx.softcap)
                 z = t * ctx.softcap
+            if ctx.out_scale != 1.0:
+                z = z * ctx.out_scale
             dz = torch.exp(z - lse[s : s + c, None]).neg_()  # -softmax
             dz[torch.arange(hc.shape[0], device=dz.device), y[s : s + c]] += 1.0  # onehot - softmax
             dz *= g[s : s + c, None]
+            if ctx.out_scale != 1.0:
+                dz *= ctx.out_scale
             if ctx.softcap is not None:
                 dz *= 1.0 - t * t  # through the cap
                 del t
@@ -133,7 +139,7 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 grad_h[s : s + c] = (dz.to(dtype) @ w).to(h.dtype)
             if need_w:
                 grad_w += dz.t() @ hc.to(acc)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
 
 
 @dataclass
@@ -174,7 +180,7 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: t
     """``log softmax(W h_{t-1} / temperature)[labels[t]]`` for every target token, without [tokens, V] logits.
 
     ``temperature`` divides the logits (as a sampler at that temperature sees them; done on h, the
-    head being linear; not with ``softcap``); ``entropy=True`` also returns each predicted
+    head being linear, or after the cap with ``softcap``); ``entropy=True`` also returns each predicted
     distribution's entropy, from the same logit blocks. The rest as ``sequence_logprobs``, which sums
     these per document:
 
@@ -195,13 +201,14 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: t
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if softcap is not None and temperature != 1.0:
-        raise NotImplementedError("token_logprobs: temperature with a logit softcap is not supported yet")
     y = labels[:, 1:].reshape(-1).long()
     keep = (y != ignore_index).nonzero().squeeze(1)  # (N,) shifted positions with a target
     h = hidden[:, :-1].reshape(-1, hdim).index_select(0, keep)  # (N, H): the predicting states
-    if temperature != 1.0:
+    out_scale = 1.0
+    if temperature != 1.0 and softcap is None:
         h = h / temperature
+    elif temperature != 1.0:  # capped logits: c tanh(z / c) / temperature
+        out_scale = 1.0 / temperature
     y = y.index_select(0, keep)
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= lm_head_weight.shape[0]):
         raise ValueError(f"labels must be in [0, {lm_head_weight.shape[0]}) or {ignore_index}")
@@ -210,7 +217,8 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: t
     else:
         dtype = torch.promote_types(h.dtype, lm_head_weight.dtype)
     logp, ent = _ChunkedTokenLogprob.apply(h, lm_head_weight, y, int(chunk_size), dtype,
-                                           None if softcap is None else float(softcap), bool(entropy))  # (N,)
+                                           None if softcap is None else float(softcap), bool(entropy),
+                                           out_scale)  # (N,)
     # the document of a target is the document of the target token (flat position of labels[:, 1:])
     rows, cols = keep // (t - 1), keep % (t - 1) + 1
     if cu_seqlens is None:

@@ -619,3 +619,31 @@ def test_precompute_reference_on_two_ranks(tmp_path, tokenizer_and_pairs):
     cache, _ = tokenizer_and_pairs
     (tmp_path / "cache").write_text(cache.path)
     run_torchrun(Path(__file__).parent / "_dist_pairs_worker.py", tmp_path, timeout=300)
+
+
+@pytest.mark.parametrize("temperature, softcap", [(1.0, None), (0.7, None), (1.0, 3.0), (0.7, 3.0), (1.6, 2.0)])
+def test_token_logprobs_with_temperature_and_softcap_equal_float64_logits(temperature, softcap):
+    # log softmax(c tanh(W h / c) / T)[y]: the value, the entropy and both gradients against full
+    # float64 logits; chunk 3 over 7 targets so the blocks do not divide the tokens
+    from ftlib.preference import token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(11, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    labels[0, 1] = labels[1, 3] = -100
+    out = token_logprobs(h, w, labels, chunk_size=3, temperature=temperature, softcap=softcap, entropy=True)
+    z = h[:, :-1].reshape(-1, 6) @ w.t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    logp_all = torch.log_softmax(z / temperature, dim=-1)
+    y = labels[:, 1:].reshape(-1)
+    keep = y != -100
+    ref = logp_all[keep].gather(1, y[keep, None]).squeeze(1)
+    ref_entropy = -(logp_all.exp() * logp_all).sum(-1)[keep]
+    torch.testing.assert_close(out.logp, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.entropy, ref_entropy.detach(), rtol=1e-12, atol=1e-12)
+    gh, gw = torch.autograd.grad(out.logp.sum(), (h, w))
+    rh, rw = torch.autograd.grad(ref.sum(), (h, w))
+    torch.testing.assert_close(gh, rh, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gw, rw, rtol=1e-10, atol=1e-12)
