@@ -16,15 +16,15 @@ are hit). Each loss type, with and without the KL term (reference: the weights b
 
 from __future__ import annotations
 
-import types
 from collections import defaultdict
 from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
 import torch
+from _fp64_twins import fp64_twins
 
-from ftlib.models import LlamaConfig, LlamaForCausalLM, save_pretrained
+from ftlib.models import LlamaForCausalLM
 from ftlib.rl import GRPOConfig, RolloutBatch, group_advantages, grpo_loss, pack_rollouts, policy_logprobs
 
 transformers = pytest.importorskip("transformers")
@@ -59,10 +59,6 @@ class _Acc:  # what _compute_loss needs of an Accelerator, on one process
         return x
 
 
-def _rms_norm_fp64(self, x):
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-
 def _fp64_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                               compute_entropy=False, compute_aux_loss=False, **_):
     # positions from 0 at each row's first real token (as ftlib's rows): both models take the RoPE angles in
@@ -92,19 +88,9 @@ def _trl_trainer(model, cfg: GRPOConfig, fp64: bool = True):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, tie_word_embeddings=False)
-    ours = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        ours.lm_head.weight.mul_(20.0)  # logits of a trained-like range: ratios move after the step
-    path = tmp_path_factory.mktemp("grpo_trl") / "base"
-    save_pretrained(ours, path)
+    # logits of a trained-like range: ratios move after the step
+    _, ours, hf = fp64_twins(tmp_path_factory.mktemp("grpo_trl") / "base", head_scale=20.0)
     ours = ours.double()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
-    for mod in hf.modules():  # transformers' RMSNorm computes in fp32 whatever the input: make it fp64
-        if type(mod).__name__ == "LlamaRMSNorm":
-            mod.forward = types.MethodType(_rms_norm_fp64, mod)
     add_fused_lm_head(hf, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))  # the trainer's own head
     return ours, hf
 

@@ -10,14 +10,14 @@ undesirable weights differ, labels are unbalanced, and the batch has uneven leng
 
 from __future__ import annotations
 
-import types
 from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
+from _fp64_twins import fp64_twins
 
-from ftlib.models import LlamaConfig, LlamaForCausalLM, save_pretrained
+from ftlib.models import LlamaForCausalLM
 from ftlib.rl import KTOConfig, check_kto_records, kto_logps, kto_loss, pack_kto
 
 transformers = pytest.importorskip("transformers")
@@ -28,10 +28,6 @@ PROMPTS = [[5, 9, 11], [7, 2], [12, 30, 4, 8], [3, 3], [20, 21, 22]]
 COMPLETIONS = [[3, 8, 1], [14, 2, 9, 33, 1], [6, 1], [40, 41, 1], [9, 1]]
 LABELS = [True, False, True, True, False]
 PAD = 0
-
-
-def _rms_norm_fp64(self, x):
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
 class _Fp64Head(torch.nn.Module):
@@ -78,18 +74,8 @@ def _rows(prompts, completions):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, tie_word_embeddings=False)
-    ours = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        ours.lm_head.weight.mul_(5.0)
-    path = tmp_path_factory.mktemp("kto_trl") / "base"
-    save_pretrained(ours, path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    for mod in hf.modules():  # transformers' RMSNorm computes in fp32 whatever the input: make it fp64
-        if type(mod).__name__ == "LlamaRMSNorm":
-            mod.forward = types.MethodType(_rms_norm_fp64, mod)
+    cfg, ours, hf = fp64_twins(tmp_path_factory.mktemp("kto_trl") / "base", head_scale=5.0)
+    hf.eval()
     ref = LlamaForCausalLM(cfg).double()
     ref.load_state_dict(ours.state_dict())
     g = torch.Generator().manual_seed(3)
