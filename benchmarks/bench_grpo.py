@@ -2,7 +2,7 @@
 
     python benchmarks/bench_grpo.py [--steps 6] [--prompts 8] [--group 8] [--max-new-tokens 16]
 
-Both start from the same checkpoint (the demo's 2-layer Llama of ``examples/_demo_assets.py``), LoRA
+Both start from the same checkpoint (the demo's 2-layer Llama of ``ftlib/train/demo.py``), LoRA
 r=8 on every linear layer, loss ``dapo``, beta 0, one optimisation pass (μ = 1), temperature 1. Each
 provider runs in its own process (peak RSS is per process); the first step is a warm-up and is not
 timed. Seconds per step are split into generation (sampling the G completions per prompt) and the
@@ -31,9 +31,9 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 
 def _setup(root: Path, n_prompts: int):
     import torch
-    from _demo_assets import CHATML, PROMPT, demo_records, make_demo_assets
 
     from ftlib.data import render_chat
+    from ftlib.train.demo import CHATML, PROMPT, demo_records, make_demo_assets
 
     torch.manual_seed(0)
     assets = make_demo_assets(root / "assets")

@@ -237,7 +237,7 @@ def demo_setup(args, out: Path) -> None:
     on-policy, from the SFT model (``demo_onpolicy_pairs``).
     """
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _demo_assets import heldout_pairs, make_demo_assets, pair_score
+    from ftlib.train.demo import heldout_pairs, make_demo_assets, pair_score
 
     make_demo_assets(out / "demo")
     args.model = str(out / "demo" / "base")
@@ -272,7 +272,7 @@ def demo_onpolicy_pairs(model, tok, template: str, out: Path, args, log) -> None
     """The demo's training pairs, on-policy: the SFT model answers ``--demo-prompts`` of its own training
     prompts (greedy + ``--demo-samples`` samples), the checker scores the answers, and each prompt's best
     answer (or the right one, when the model never found it) is preferred to its mistakes."""
-    from _demo_assets import heldout_records, pair_score
+    from ftlib.train.demo import heldout_records, pair_score
 
     path = Path(args.data[0])
     if path.exists():

@@ -257,7 +257,7 @@ def check_engine(args, world: int) -> None:
 
 def prepare_demo(args, out: Path, rank: int, world: int) -> None:
     """--demo: build the tiny model, tokenizer and data under --out/demo and point the args at them."""
-    from _demo_assets import make_demo_assets  # examples/_demo_assets.py
+    from ftlib.train.demo import make_demo_assets  # ftlib/train/demo.py
 
     if rank == 0:
         make_demo_assets(out / "demo")

@@ -3,7 +3,7 @@
     python examples/grpo.py --demo --out runs/grpo        # tiny model, CPU, a few minutes
     python examples/grpo.py --demo --out runs/grpo --resume
 
---demo: the tiny 2-layer model of ``examples/_demo_assets.py`` is first SFT'd on word-list reversal
+--demo: the tiny 2-layer model of ``ftlib/train/demo.py`` is first SFT'd on word-list reversal
 data in which half the answers are the list as given (a systematic error, as from a weak teacher),
 long enough to learn both behaviours: partial skill by construction, not by stopping early (clean
 SFT jumps from 0 % to ~97 % within ~75 steps). Greedy decoding then reverses ~25-35 % of the
@@ -28,8 +28,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _demo_assets import CHATML, PROMPT, demo_records, heldout_records, make_demo_assets  # noqa: E402
-
 from ftlib import rl  # noqa: E402
 from ftlib.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint  # noqa: E402
 from ftlib.data import render_chat  # noqa: E402
@@ -38,6 +36,7 @@ from ftlib.losses import causal_lm_loss  # noqa: E402
 from ftlib.models import load_pretrained, load_tokenizer, save_pretrained  # noqa: E402
 from ftlib.models.reward import pack_documents  # noqa: E402
 from ftlib.onpolicy import generate_answers  # noqa: E402
+from ftlib.train.demo import CHATML, PROMPT, demo_records, heldout_records, make_demo_assets  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -330,7 +330,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
 
     if args.demo:
-        from _demo_assets import arithmetic_pairs, make_demo_assets  # examples/_demo_assets.py
+        from ftlib.train.demo import arithmetic_pairs, make_demo_assets  # ftlib/train/demo.py
 
         make_demo_assets(out / "demo")
         pair_dir = out / "demo" / "pairs"

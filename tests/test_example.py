@@ -21,7 +21,6 @@ def finetune_lora():
     yield finetune_lora
     sys.path.remove(str(EXAMPLES))
     sys.modules.pop("finetune_lora", None)
-    sys.modules.pop("_demo_assets", None)
 
 
 @pytest.fixture(scope="module")

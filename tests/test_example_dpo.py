@@ -16,7 +16,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def test_demo_dpo_raises_held_out_exact_match(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     import dpo
-    from _demo_assets import heldout_records
+
+    from ftlib.train.demo import heldout_records
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny model: threads only contend on a shared runner
@@ -63,7 +64,7 @@ def test_demo_dpo_raises_held_out_exact_match(tmp_path, monkeypatch):
         want = model(ids)
         torch.testing.assert_close(reloaded(ids), want, atol=1e-5, rtol=1e-5)
         assert (sft()(ids) - want).abs().max() > 1e-3, "DPO changed nothing"
-    for name in ("dpo", "finetune_lora", "_demo_assets"):
+    for name in ("dpo", "finetune_lora"):
         sys.modules.pop(name, None)
 
 
@@ -106,7 +107,7 @@ def test_dpo_resume_after_a_cut_ends_with_the_same_adapter(tmp_path, monkeypatch
     a = load_file(str(full / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-    for name in ("dpo", "finetune_lora", "_demo_assets"):
+    for name in ("dpo", "finetune_lora"):
         sys.modules.pop(name, None)
 
 
@@ -118,9 +119,8 @@ def test_dpo_cli_refuses_in_one_line_and_lenient_skips(tmp_path, monkeypatch):
     import subprocess
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    from _demo_assets import make_demo_assets
-
     from ftlib.data import BUILTIN_TEMPLATES
+    from ftlib.train.demo import make_demo_assets
 
     make_demo_assets(tmp_path / "demo")
     base = tmp_path / "demo" / "base"
@@ -156,7 +156,7 @@ def test_dpo_cli_refuses_in_one_line_and_lenient_skips(tmp_path, monkeypatch):
                                   "1", "--eval-generate", "0", "--report-to", "tensorboard"])
     finally:
         torch.set_num_threads(n)
-        for name in ("dpo", "_demo_assets"):
+        for name in ("dpo"):
             sys.modules.pop(name, None)
     assert [r["step"] for r in res["log"]] == [1, 2]
     skipped = json.loads((tmp_path / "o" / "skipped.json").read_text())

@@ -53,12 +53,11 @@ def finetune_lora():
     yield finetune_lora
     sys.path.remove(str(EXAMPLES))
     sys.modules.pop("finetune_lora", None)
-    sys.modules.pop("_demo_assets", None)
 
 
 @pytest.fixture(scope="module")
 def assets(finetune_lora, tmp_path_factory):
-    from _demo_assets import make_demo_assets
+    from ftlib.train.demo import make_demo_assets
 
     return make_demo_assets(tmp_path_factory.mktemp("assets"), n_records=64)
 

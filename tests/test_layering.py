@@ -16,6 +16,7 @@ Layers, bottom to top. A module imports only from its own layer or below, never 
     9  distributed   ftlib.distributed    (shards models, sharded checkpoints on checkpoint's format)
    10  train         ftlib.train          (what a training script shares: step plan, resume of a whole
                                            train state, run manifest, merged export)
+   11  cli           ftlib.cli ftlib.__main__  (the installed ``ftlib`` command: the full jobs)
        top           ftlib                (the package ``__init__``: imports nothing)
 
 Checked on every module of ``ftlib/``, imports inside functions included (they run later, but an
@@ -58,6 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoint", ("ftlib.checkpoint",)),
     ("distributed", ("ftlib.distributed",)),
     ("train", ("ftlib.train",)),
+    ("cli", ("ftlib.cli", "ftlib.__main__")),
 ]
 
 # (violation, area that fixes it). Strings as ``violations()`` writes them. When this test was

@@ -24,7 +24,7 @@ GRAD_ACCUM = 3
 def assets(tmp_path_factory):
     sys.path.insert(0, str(ROOT / "examples"))
     try:
-        from _demo_assets import make_demo_assets
+        from ftlib.train.demo import make_demo_assets
     finally:
         sys.path.pop(0)
     return make_demo_assets(tmp_path_factory.mktemp("assets"), n_records=160)

@@ -27,7 +27,6 @@ def run(tmp_path_factory):
         torch.set_num_threads(n)
         sys.path.remove(str(EXAMPLES))
         sys.modules.pop("reward_model", None)
-        sys.modules.pop("_demo_assets", None)
     return out, model, metrics
 
 
@@ -185,7 +184,6 @@ def test_cut_run_resumes_to_the_same_weights_and_evals_at_eval_every(tmp_path, m
     finally:
         torch.set_num_threads(n)
         sys.modules.pop("reward_model", None)
-        sys.modules.pop("_demo_assets", None)
     a, b = _adapter_tensors(tmp_path / "full" / "adapter"), _adapter_tensors(tmp_path / "cut" / "adapter")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     untimed = lambda log: [{k: v for k, v in r.items() if k != "pairs_per_s"} for r in log]
@@ -209,9 +207,8 @@ def test_cli_refuses_no_template_and_bad_records_in_one_line_and_lenient_skips(t
     import subprocess
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    from _demo_assets import make_demo_assets
-
     from ftlib.data import BUILTIN_TEMPLATES
+    from ftlib.train.demo import make_demo_assets
 
     make_demo_assets(tmp_path / "demo")
     base = tmp_path / "demo" / "base"
@@ -297,4 +294,3 @@ def test_resume_does_not_warn_about_the_tokenizer_files_ftlib_put_beside_the_che
     finally:
         torch.set_num_threads(n)
         sys.modules.pop("reward_model", None)
-        sys.modules.pop("_demo_assets", None)

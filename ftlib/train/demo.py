@@ -1,4 +1,4 @@
-"""Tiny, self-made assets for ``finetune_lora.py --demo``: no download, a few seconds on a CPU.
+"""Tiny, self-made demo assets (the demo of `ftlib sft --demo` and of the examples): no download, a few seconds on a CPU.
 
 The task: reverse a list of 3 to 5 words ("Reverse the words: lamp river stone" -> "stone river
 lamp"). It is a rule, not a table of facts, so it can be checked on word lists the model never
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["make_demo_assets", "demo_records", "heldout_records", "heldout_pairs", "pair_score",
-           "arithmetic_pairs", "WORDS"]
+__all__ = ["CHATML", "PROMPT", "WORDS", "arithmetic_pairs", "demo_records", "heldout_pairs", "heldout_records",
+           "make_demo_assets", "pair_score"]
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
