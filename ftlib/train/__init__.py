@@ -24,8 +24,6 @@ below ``examples/``; nothing else in ftlib imports it.
 """
 
 from .cli import (
-    FlagError,
-    FlagParser,
     add_data_flags,
     add_eval_flags,
     add_loop_flags,
@@ -59,8 +57,6 @@ from .resume import (
 from .seed import seed_everything
 
 __all__ = [
-    "FlagError",
-    "FlagParser",
     "LOGGERS",
     "Loggers",
     "RUN_MANIFEST",

@@ -5,10 +5,8 @@ import os
 
 import pytest
 
-from ftlib.data.cli import flag_message
+from ftlib.data.cli import FlagError, FlagParser, flag_message
 from ftlib.train import (
-    FlagError,
-    FlagParser,
     add_data_flags,
     add_eval_flags,
     add_loop_flags,
