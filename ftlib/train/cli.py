@@ -36,7 +36,7 @@ import json
 import os
 from pathlib import Path
 
-from ..data.cli import FlagError, add_format_flags, number, whole
+from ..data.cli import FlagError, RenamedFlag, add_format_flags, number, whole
 from .loggers import LOGGERS
 
 __all__ = ["CONFIG_SKIP", "add_data_flags", "add_eval_flags", "add_loop_flags", "add_model_flags",
@@ -202,6 +202,8 @@ def _config_value(parser: argparse.ArgumentParser, action: argparse.Action, key:
     them and parsed by ``parser``; what the flag would refuse is a one-line ``parser.error``."""
     flag = action.option_strings[0] if action.option_strings else key
     where = f"--config {path}: {key}={value!r}"
+    if isinstance(action, RenamedFlag):
+        parser.error(f"{where}: {flag} was renamed {action.new}: write {action.new.lstrip('-')} instead")
     if value is None:
         return None
     if action.nargs == 0:  # a switch (store_true, --x/--no-x)
