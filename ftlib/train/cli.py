@@ -37,7 +37,7 @@ import os
 from pathlib import Path
 
 from ..data.cli import FlagError, RenamedFlag, add_format_flags, number, whole
-from .loggers import LOGGERS
+from ..metrics import LOGGERS
 
 __all__ = ["CONFIG_SKIP", "add_data_flags", "add_eval_flags", "add_loop_flags", "add_model_flags",
            "add_output_flags", "check_output_flags", "check_targets", "cpu_threads", "eval_intervals", "load_config_file",
