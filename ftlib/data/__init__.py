@@ -54,6 +54,7 @@ from .pairs import (
     open_pair_cache,
 )
 from .report import DataError, SkipReport
+from .sharegpt import chat_turns
 from .sources import (
     ReadLimits,
     Shard,
@@ -66,12 +67,14 @@ from .sources import (
     shard_fingerprint,
 )
 from .split import DocSubset, heldout_split
+from .templates import ChatTemplate, resolve_chat_template
 
 __all__ = [
     "BUILTIN_TEMPLATES",
     "CHAT_ROLES",
     "CHOSEN_BIT",
     "CacheError",
+    "ChatTemplate",
     "DataError",
     "DocSubset",
     "FormatConfig",
@@ -98,6 +101,7 @@ __all__ = [
     "bfd_assign",
     "build_cache",
     "build_pair_cache",
+    "chat_turns",
     "collate_packed",
     "collate_pairs_packed",
     "collate_pairs_padded",
@@ -118,6 +122,7 @@ __all__ = [
     "parse_hub_spec",
     "parse_mixture",
     "render_chat",
+    "resolve_chat_template",
     "resolve_hub_dataset",
     "select_pairs",
     "shard_fingerprint",

@@ -73,3 +73,11 @@ def test_sharegpt_record_formats_like_its_messages_twin(tokenizer):
     report = SkipReport(strict=False)
     assert fmt({"conversations": [{"from": "robot", "value": "?"}]}, "x:3", report) is None
     assert report.counts == {"bad_field": 1} and "x:3" in report.examples["bad_field"][0]
+
+
+def test_the_template_names_scripts_import_are_public_at_ftlib_data():
+    import ftlib.data
+    from ftlib.data import sharegpt, templates
+
+    for name, mod in (("ChatTemplate", templates), ("resolve_chat_template", templates), ("chat_turns", sharegpt)):
+        assert name in ftlib.data.__all__ and getattr(ftlib.data, name) is getattr(mod, name), name
