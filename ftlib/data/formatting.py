@@ -152,7 +152,7 @@ from .layouts import record_messages, unread_fields
 from .pretruncate import encode_bounded
 from .report import SkipReport
 
-__all__ = ["BUILTIN_TEMPLATES", "CHAT_ROLES", "BadMessages", "FormatConfig", "FormattedDoc", "Formatter",
+__all__ = ["BUILTIN_TEMPLATES", "BadMessages", "CHAT_ROLES", "FormatConfig", "FormattedDoc", "Formatter",
            "TemplateLimitError", "check_messages", "detect_turn_end", "render_chat"]
 
 _S0, _S1 = "\ue000", "\ue001"  # private-use code points: assistant content start / end sentinels
