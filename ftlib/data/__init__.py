@@ -53,19 +53,10 @@ from .pairs import (
     build_pair_cache,
     open_pair_cache,
 )
+from .readers import ReadLimits, decode_item, iter_raw, iter_records
 from .report import DataError, SkipReport
+from .shards import Shard, list_shards, parse_hub_spec, resolve_hub_dataset, shard_fingerprint
 from .sharegpt import chat_turns
-from .sources import (
-    ReadLimits,
-    Shard,
-    decode_item,
-    iter_raw,
-    iter_records,
-    list_shards,
-    parse_hub_spec,
-    resolve_hub_dataset,
-    shard_fingerprint,
-)
 from .split import DocSubset, heldout_split
 from .templates import ChatTemplate, resolve_chat_template
 

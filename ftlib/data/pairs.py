@@ -1,7 +1,7 @@
 """Preference pairs: records -> (prompt, chosen, rejected) token ids with response-only loss masks,
 stored in the Arrow token cache, one document per pair.
 
-Records (JSONL / Parquet / any source of ``ftlib.data.sources``), field names configurable:
+Records (JSONL / Parquet / any source of ``ftlib.data.readers``), field names configurable:
 
 ``prompt``     a string (one user turn) or a list of ``{"role", "content"}`` messages;
 ``messages``   the prompt conversation as a message list (used when present, before ``prompt``);

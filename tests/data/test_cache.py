@@ -303,7 +303,7 @@ def test_truncation_stats_are_kept_with_the_cache(tmp_path, tokenizer, write_jso
 
 
 def _unsampled_offset(size: int) -> int:
-    """An offset past the first MiB that the sampled fingerprint does not read (sources.shard_fingerprint)."""
+    """An offset past the first MiB that the sampled fingerprint does not read (shards.shard_fingerprint)."""
     blocks = [((size - (64 << 10)) * (i + 1) // 17, (size - (64 << 10)) * (i + 1) // 17 + (64 << 10))
               for i in range(16)] + [(0, 1 << 20), (size - (1 << 20), size)]
     return next(p for p in range(1 << 20, size, 4096) if all(not (a <= p < b + 100) for a, b in blocks))
@@ -346,7 +346,7 @@ def test_same_size_edit_is_seen_with_full_hash_only(tmp_path, tokenizer, capsys)
 
 
 def test_read_limits_are_part_of_the_key_and_reach_the_readers(tmp_path, tokenizer, write_jsonl, capsys):
-    from ftlib.data.sources import ReadLimits
+    from ftlib.data import ReadLimits
 
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": "hello world " * 20}, {"text": "the fox"}])
     small = ReadLimits(max_record_bytes=100)

@@ -233,9 +233,9 @@ def test_pair_cache_from_messages_files(tmp_path, tokenizer):
 
 
 def test_pair_files_go_through_the_one_reader_core(tmp_path, tokenizer):
-    """Pair data is read by ftlib.data.sources like SFT data: a leading BOM is stripped, a link
+    """Pair data is read by ftlib.data.readers like SFT data: a leading BOM is stripped, a link
     loop is read once, an over-long record is refused and counted, empty files are reported."""
-    from ftlib.data.sources import ReadLimits
+    from ftlib.data import ReadLimits
 
     d = tmp_path / "pairs"
     d.mkdir()

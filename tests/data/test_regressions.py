@@ -388,7 +388,7 @@ def test_a_build_that_gives_no_document_is_an_error(tmp_path, tokenizer):
 def test_a_line_over_the_record_bound_is_refused_and_counted(tmp_path):
     """A 10 KB gzip expanding to one 10 MB line was read and tokenized whole. A line over
     ReadLimits.max_record_bytes is read past (never held) and reported; the next line is read."""
-    from ftlib.data.sources import ReadLimits
+    from ftlib.data import ReadLimits
 
     p = tmp_path / "big.jsonl.gz"
     with gzip.open(p, "wt") as f:

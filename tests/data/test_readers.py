@@ -1,3 +1,5 @@
+"""ftlib.data.readers: every record format, its bounds and its reports."""
+
 import gzip
 import io
 import json
@@ -7,8 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ftlib.data import DataError, SkipReport, iter_records, list_shards, shard_fingerprint
-from ftlib.data import sources as src
+from ftlib.data import DataError, SkipReport, iter_records, list_shards, readers
 
 
 def _texts(spec, strict=True):
@@ -20,6 +21,12 @@ def _add_member(tf, name, data: bytes):
     ti = tarfile.TarInfo(name)
     ti.size = len(data)
     tf.addfile(ti, io.BytesIO(data))
+
+
+def _bomb_tar(path, name, payload):
+    with tarfile.open(path, "w") as tf:
+        _add_member(tf, name, payload)
+        _add_member(tf, "z/after.jsonl", b'{"text": "after"}\n')
 
 
 def test_all_formats_in_a_directory(tmp_path, write_jsonl):
@@ -92,44 +99,6 @@ def test_report_keeps_first_locations_and_merges():
     assert rep.examples["empty_document"] == ["f:0: empty_document", "f:1: empty_document"]
 
 
-def test_missing_path_and_unsupported_file(tmp_path):
-    with pytest.raises(DataError, match="no such file"):
-        list_shards(str(tmp_path / "nope.jsonl"))
-    (tmp_path / "x.csv").write_text("a")
-    with pytest.raises(DataError, match="unsupported"):
-        list_shards(str(tmp_path / "x.csv"))
-
-
-def test_hub_dataset_resolves_through_snapshot_download(tmp_path, monkeypatch, write_jsonl):
-    local = tmp_path / "snap"
-    local.mkdir()
-    write_jsonl(local / "train.jsonl", [{"text": "from hub"}])
-    calls = []
-
-    def fake_snapshot_download(**kw):
-        calls.append(kw)
-        return str(local)
-
-    import huggingface_hub
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    assert _texts("hf://datasets/org/name@v1")[0] == ["from hub"]
-    assert calls[0]["repo_id"] == "org/name" and calls[0]["repo_type"] == "dataset"
-    assert calls[0]["revision"] == "v1" and "*.jsonl" in calls[0]["allow_patterns"]
-    assert src.resolve_hub_dataset("org/name") == str(local)
-
-
-def test_fingerprint_tracks_content_not_mtime(tmp_path):
-    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    big = b"x" * (5 << 20)
-    a.write_bytes(big)
-    b.write_bytes(big)  # identical copy: same fingerprint although a different file
-    assert shard_fingerprint(str(a)) == shard_fingerprint(str(b))
-    b.write_bytes(big[:-1] + b"y")  # last byte changed: inside the sampled tail
-    assert shard_fingerprint(str(a)) != shard_fingerprint(str(b))
-    assert shard_fingerprint(str(a), full_hash=True).startswith("sha256:")
-
-
 def test_truncated_gzip_and_tar_links(tmp_path, write_jsonl):
     p = tmp_path / "t.jsonl.gz"
     with gzip.open(p, "wt") as f:
@@ -150,30 +119,6 @@ def test_truncated_gzip_and_tar_links(tmp_path, write_jsonl):
         tf.addfile(ti)
     texts, rep = _texts(str(t), strict=False)
     assert texts == [] and rep.unknown == {"unsafe_tar_member": 1}
-
-
-def test_hub_dataset_path_inside_the_repo_selects_a_split(tmp_path, monkeypatch, write_jsonl):
-    """hf://datasets/org/name@rev/<path or glob> reads (and fetches) only those files, e.g. the train split."""
-    local = tmp_path / "snap"
-    (local / "data").mkdir(parents=True)
-    write_jsonl(local / "data" / "train-0.jsonl", [{"text": "train"}])
-    write_jsonl(local / "data" / "test-0.jsonl", [{"text": "test"}])
-    calls = []
-
-    def fake_snapshot_download(**kw):
-        calls.append(kw)
-        return str(local)
-
-    import huggingface_hub
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    assert _texts("hf://datasets/org/name@v1/data/train-*.jsonl")[0] == ["train"]
-    assert calls[-1]["repo_id"] == "org/name" and calls[-1]["revision"] == "v1"
-    assert calls[-1]["allow_patterns"] == ["data/train-*.jsonl"]  # the test split is not even downloaded
-    assert sorted(_texts("hf://datasets/org/name/data")[0]) == ["test", "train"]
-    assert calls[-1]["revision"] is None and "data/*.jsonl" in calls[-1]["allow_patterns"]
-    with pytest.raises(DataError, match="no such file"):
-        list_shards("hf://datasets/org/name/valid-*.jsonl")
 
 
 def test_json_files_arrays_objects_and_lines(tmp_path):
@@ -261,26 +206,6 @@ def test_parquet_and_gzip_members_in_a_tar(tmp_path):
     assert rep.unknown == {"unreadable_file": 1} and "bad.jsonl.gz" in rep.examples["unreadable_file"][0]
 
 
-@pytest.mark.parametrize("spec,want", [
-    ("hf://datasets/org/name", ("org/name", None, None)),
-    ("hf://datasets/org/name@v1", ("org/name", "v1", None)),
-    ("hf://datasets/org/name@v1/data/train-*.parquet", ("org/name", "v1", "data/train-*.parquet")),
-    ("hf://datasets/org/name/data", ("org/name", None, "data")),
-    ("hf://datasets/org/name@refs/convert/parquet", ("org/name", "refs/convert/parquet", None)),
-    ("hf://datasets/org/name@refs/convert/parquet/default/train", ("org/name", "refs/convert/parquet", "default/train")),
-    ("hf://datasets/org/name@refs/pr/3/x.jsonl", ("org/name", "refs/pr/3", "x.jsonl")),
-    ("hf://datasets/org/name@feature%2Fx/data", ("org/name", "feature/x", "data")),
-])
-def test_hub_spec_parsing(spec, want):
-    assert src.parse_hub_spec(spec) == want
-    try:  # the same answer as huggingface_hub's own parser, where it has one
-        from huggingface_hub.utils import parse_hf_uri
-    except ImportError:
-        return
-    u = parse_hf_uri(spec)
-    assert (u.id, u.revision, u.path_in_repo or None) == want
-
-
 def test_report_counts_unknown_losses_apart():
     rep = SkipReport(strict=False)
     assert not rep and str(rep) == "no records skipped"
@@ -293,19 +218,13 @@ def test_report_counts_unknown_losses_apart():
     assert "unreadable_file: 100 + an unknown number (1 place)" in str(other)
 
 
-def _bomb_tar(path, name, payload):
-    with tarfile.open(path, "w") as tf:
-        _add_member(tf, name, payload)
-        _add_member(tf, "z/after.jsonl", b'{"text": "after"}\n')
-
-
 @pytest.mark.parametrize("case", ["txt", "txt.gz", "json", "json.gz", "tar txt", "tar json", "tar parquet",
                                   "tar jsonl", "wds txt.gz", "parquet row"])
 def test_every_reader_is_bounded(tmp_path, case):
     """No reader holds more than ReadLimits allows: a record over max_record_bytes is refused
     (record_too_large, 1 record), a whole-parsed document over max_file_bytes too (file_too_large,
     records unknown); gzip bombs stop at the bound. Everything after it is still read."""
-    lim = src.ReadLimits(max_record_bytes=4096, max_file_bytes=8192)
+    lim = readers.ReadLimits(max_record_bytes=4096, max_file_bytes=8192)
     big = b"x" * 20000
     recs = json.dumps([{"text": "x" * 100}] * 100).encode()
     p = tmp_path / "f"
@@ -342,3 +261,16 @@ def test_every_reader_is_bounded(tmp_path, case):
     assert f"ReadLimits.{bound}" in rep.examples[reason][0]
     # without the limit, the same file is read whole
     assert len([r for r, _ in iter_records(str(p), SkipReport(strict=False))]) >= 1
+
+
+def test_the_old_sources_module_warns_and_holds_the_same_objects():
+    import importlib
+    import sys
+
+    import ftlib.data
+
+    sys.modules.pop("ftlib.data.sources", None)
+    with pytest.warns(DeprecationWarning, match="ftlib.data.sources is deprecated: import from ftlib.data"):
+        old = importlib.import_module("ftlib.data.sources")
+    assert all(getattr(old, n) is getattr(ftlib.data, n) for n in old.__all__ if n != "item_nbytes")
+    assert old.item_nbytes is readers.item_nbytes
