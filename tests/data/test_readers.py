@@ -9,7 +9,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ftlib.data import DataError, SkipReport, iter_records, list_shards, readers
+from ftlib.data import (
+    DataError,
+    FormatConfig,
+    SkipReport,
+    build_cache,
+    iter_records,
+    list_shards,
+    readers,
+)
 
 
 def _texts(spec, strict=True):
@@ -274,3 +282,142 @@ def test_the_old_sources_module_warns_and_holds_the_same_objects():
         old = importlib.import_module("ftlib.data.sources")
     assert all(getattr(old, n) is getattr(ftlib.data, n) for n in old.__all__ if n != "item_nbytes")
     assert old.item_nbytes is readers.item_nbytes
+
+
+TEXT = FormatConfig(kind="text", eos_token="</s>")
+
+
+def _member(tf, name, data: bytes):
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    tf.addfile(ti, io.BytesIO(data))
+
+
+def _cut_gzip(path, n=2000):
+    with gzip.open(path, "wt") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": f"doc {i} " + "hello world " * 5}) + "\n")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def test_tar_and_directory_data_files_are_read_or_reported(tmp_path):
+    """webdataset samples (key.json + key.txt), .json / .parquet / .txt.gz members and .json files in
+    a folder are data; anything else in a tar is reported, never skipped without a word."""
+    d = tmp_path / "d"
+    d.mkdir()
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": ["from parquet"]}), buf)
+    with tarfile.open(d / "wds.tar", "w") as tf:
+        _member(tf, "s/000.json", json.dumps({"source": "web"}).encode())
+        _member(tf, "s/000.txt", b"sample zero")
+        _member(tf, "s/001.json", json.dumps({"text": "sample one"}).encode())
+        _member(tf, "s/002.parquet", buf.getvalue())
+        _member(tf, "s/003.txt.gz", gzip.compress(b"gzipped member"))
+    (d / "arr.json").write_text(json.dumps([{"text": "json array 0"}, {"text": "json array 1"}]))
+    got = sorted(r["text"] for r, _ in iter_records(str(d)))
+    assert got == sorted(["sample zero", "sample one", "from parquet", "gzipped member", "json array 0",
+                          "json array 1"])
+    recs = [r for r, _ in iter_records(str(d / "wds.tar"))]
+    assert {"source": "web", "text": "sample zero"} in recs
+    with tarfile.open(d / "img.tar", "w") as tf:
+        _member(tf, "s/000.json", json.dumps({"text": "caption"}).encode())
+        _member(tf, "s/000.jpg", b"\xff\xd8 not text")
+    with pytest.raises(DataError, match=r"img\.tar!s/000\.jpg: unsupported_tar_member"):
+        list(iter_records(str(d / "img.tar")))
+    rep = SkipReport(strict=False)
+    list(iter_records(str(d / "img.tar"), rep))
+    assert rep and "unsupported_tar_member" in rep.examples
+
+
+def test_unreadable_file_counts_the_records_it_lost(tmp_path):
+    """A corrupt Parquet row group of 100 rows loses 100 records, not 1; a cut gzip loses an
+    unknown number, which must not be reported as 1."""
+    p = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": [f"row {i} " + "x" * 200 for i in range(300)]}), p, row_group_size=100)
+    col = pq.ParquetFile(p).metadata.row_group(1).column(0)
+    start = col.dictionary_page_offset or col.data_page_offset
+    data = bytearray(p.read_bytes())
+    data[start : start + 40] = b"\xff" * 40  # row group 1's first page header: garbage
+    p.write_bytes(bytes(data))
+    rep = SkipReport(strict=False)
+    texts = [r["text"] for r, _ in iter_records(str(p), rep)]
+    print("parquet:", rep)
+    assert len(texts) == 200 and rep.counts == {"unreadable_file": 100}
+    _cut_gzip(tmp_path / "g.jsonl.gz")
+    rep = SkipReport(strict=False)
+    list(iter_records(str(tmp_path / "g.jsonl.gz"), rep))
+    print("gzip:", rep)
+    assert rep.counts.get("unreadable_file") != 1 and "unknown" in str(rep)
+
+
+def test_empty_and_whitespace_files_are_reported(tmp_path, tokenizer, write_jsonl):
+    """Empty or whitespace-only data files were passed over without a word."""
+    d = tmp_path / "data"
+    d.mkdir()
+    write_jsonl(d / "a.jsonl", [{"text": "hello world"}])
+    (d / "b_empty.jsonl").write_bytes(b"")
+    (d / "c_blank.jsonl").write_text("\n   \n\t\n")
+    (d / "d_blank.txt").write_text("  \n")
+    (d / "e_empty.json").write_text("[]")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), d / "f_empty.parquet")
+    with tarfile.open(d / "g.tar", "w") as tf:
+        _member(tf, "x/h.jsonl", b"\n\n")
+    with pytest.raises(DataError, match=r"b_empty\.jsonl: empty_file: it holds no records"):
+        build_cache(str(d), tokenizer, TEXT, str(tmp_path / "strict"), progress=False)
+    cache = build_cache(str(d), tokenizer, TEXT, str(tmp_path / "lenient"), strict=False, progress=False)
+    assert len(cache) == 1
+    assert cache.report.notes == {"empty_file": 6} and cache.report.total == 0
+    text = str(cache.report)
+    assert "no records skipped" not in text and "empty_file: 6 (no records lost)" in text
+    assert "b_empty.jsonl: empty_file" in text  # the first 5 locations are kept as examples
+    rep = SkipReport(strict=False)
+    assert list(iter_records(str(d / "g.tar"), rep)) == []
+    assert rep.notes == {"empty_file": 1} and "g.tar!x/h.jsonl: empty_file" in str(rep)
+
+
+def test_a_line_over_the_record_bound_is_refused_and_counted(tmp_path):
+    """A 10 KB gzip expanding to one 10 MB line was read and tokenized whole. A line over
+    ReadLimits.max_record_bytes is read past (never held) and reported; the next line is read."""
+    from ftlib.data import ReadLimits
+
+    p = tmp_path / "big.jsonl.gz"
+    with gzip.open(p, "wt") as f:
+        f.write(json.dumps({"text": "x" * (3 << 20)}) + "\n" + json.dumps({"text": "after"}) + "\n")
+    limits = ReadLimits(max_record_bytes=1 << 20)
+    with pytest.raises(DataError, match=r"big\.jsonl\.gz:1: record_too_large: a line of 3145741 bytes is over "
+                                        r"ReadLimits\.max_record_bytes=1048576 \(1 MiB\)"):
+        list(iter_records(str(p), limits=limits))
+    rep = SkipReport(strict=False)
+    got = list(iter_records(str(p), rep, limits=limits))
+    assert [(r["text"], w.rsplit(":", 1)[1]) for r, w in got] == [("after", "2")]
+    assert rep.counts == {"record_too_large": 1}
+    assert [r["text"][:3] for r, _ in iter_records(str(p))] == ["xxx", "aft"]  # the default bound is 16 MiB
+
+
+def test_a_leading_bom_is_stripped_by_every_reader(tmp_path):
+    """The .json reader accepted a UTF-8 BOM, .jsonl refused it (and .txt kept it as text)."""
+    bom = b"\xef\xbb\xbf"
+    d = tmp_path / "d"
+    d.mkdir()
+    line = lambda t: json.dumps({"text": t}).encode() + b"\n"
+    (d / "a.jsonl").write_bytes(bom + line("jsonl"))
+    (d / "b.jsonl.gz").write_bytes(gzip.compress(bom + line("jsonl.gz")))
+    (d / "c.json").write_bytes(bom + json.dumps([{"text": "json"}]).encode())
+    (d / "d.txt").write_bytes(bom + b"txt")
+    (d / "e.txt.gz").write_bytes(gzip.compress(bom + b"txt.gz"))
+    with tarfile.open(d / "f.tar", "w") as tf:
+        _member(tf, "m/lines.jsonl", bom + line("tar jsonl"))
+        _member(tf, "m/one.json", bom + json.dumps({"text": "tar json"}).encode())
+        _member(tf, "m/two.txt", bom + b"tar txt")
+        _member(tf, "s/000.json", bom + json.dumps({"source": "wds"}).encode())
+        _member(tf, "s/000.txt", bom + b"wds txt")
+        _member(tf, "s/001.json", bom + json.dumps({"source": "wds gz"}).encode())
+        _member(tf, "s/001.txt.gz", gzip.compress(bom + b"wds txt.gz"))
+    got = [r["text"] for r, _ in iter_records(str(d))]  # strict: any refusal raises
+    assert sorted(got) == sorted(["jsonl", "jsonl.gz", "json", "txt", "txt.gz", "tar jsonl", "tar json", "tar txt",
+                                  "wds txt", "wds txt.gz"])
+    # a BOM anywhere but the start is content: in JSON outside a string it is malformed
+    (d / "a.jsonl").write_bytes(line("one") + bom + line("two"))
+    with pytest.raises(DataError, match=r"a\.jsonl:2: malformed_json"):
+        list(iter_records(str(d / "a.jsonl")))

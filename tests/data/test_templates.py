@@ -4,7 +4,11 @@ import json
 
 import pytest
 
-from ftlib.data import BUILTIN_TEMPLATES, FormatConfig, SkipReport
+from ftlib.data import (
+    BUILTIN_TEMPLATES,
+    FormatConfig,
+    SkipReport,
+)
 from ftlib.data.sharegpt import chat_turns
 from ftlib.data.templates import NoChatTemplate, read_template_file, resolve_chat_template
 
@@ -81,3 +85,8 @@ def test_the_template_names_scripts_import_are_public_at_ftlib_data():
 
     for name, mod in (("ChatTemplate", templates), ("resolve_chat_template", templates), ("chat_turns", sharegpt)):
         assert name in ftlib.data.__all__ and getattr(ftlib.data, name) is getattr(mod, name), name
+
+
+def test_misspelled_builtin_template_name_is_refused():
+    with pytest.raises(ValueError, match=r"'chatlm' is neither a built-in name.*did you mean 'chatml'"):
+        FormatConfig(kind="chat", chat_template="chatlm")

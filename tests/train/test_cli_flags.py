@@ -96,7 +96,7 @@ def test_output_flags_are_normalised_once_and_bad_values_are_one_line_errors(cap
         assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
-# ---- issue 34, item 9: config values go through the flags' own parsing -------------------------------
+# ---- config values go through the flags' own parsing -------------------------------
 
 @pytest.mark.parametrize("cfg, needle", [
     ({"batch_size": 2.5}, "batch_size=2.5: --batch-size expected a whole number, got '2.5'"),
