@@ -23,6 +23,10 @@ Closed forms (W = warmup, T = total, r = min_lr_ratio, p = progress through the 
   p = (tau - w_i) / (T_i - w_i). Without warm-up and decay it is
   ``torch.optim.lr_scheduler.CosineAnnealingWarmRestarts`` with eta_min = r * base_lr.
 
+Warmup is given to the schedule, one way: ``warmup=W`` (in the unit of ``total``) or
+``warmup_ratio=w`` (W = w T), not both; the schedule's ``.warmup`` is the length it resolved
+(``WarmupDecay(total, warmup_ratio=0.03).warmup``). ``resolve_warmup`` is its deprecated spelling.
+
 Past T every schedule holds its value at T; with W == T the decay phase is empty and the
 factor stays at 1. Warmup and decay formulas are those of Hugging Face's
 ``get_cosine_with_min_lr_schedule_with_warmup`` / ``get_linear_schedule_with_warmup``.

@@ -19,8 +19,8 @@ same in every script and must not drift between copies:
   ``eval_intervals``);
 - ``loggers``: ``open_loggers``, deprecated (the trackers are ``ftlib.metrics.MetricsLogger(report_to=...)``'s).
 
-Layer: above ``checkpoint`` and ``distributed`` (a sharded resume imports the latter lazily),
-below ``examples/``; nothing else in ftlib imports it.
+Layer: above ``checkpoint`` (one ``load_checkpoint`` resumes one-process and sharded runs) and
+``distributed``, below ``ftlib.cli`` and ``examples/``.
 """
 
 from .cli import (
