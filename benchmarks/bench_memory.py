@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import ftlib  # noqa: E402
-from ftlib.distributed.memory import GiB, estimate_memory, load_config  # noqa: E402
+from ftlib.distributed.memory import GiB, estimate_memory  # noqa: E402
 from ftlib.lora import LoRAConfig, apply_lora  # noqa: E402
 from ftlib.losses import chunked_cross_entropy  # noqa: E402
-from ftlib.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from ftlib.models import LlamaConfig, LlamaForCausalLM, load_config  # noqa: E402
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups  # noqa: E402
 
 LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import losses
 from ._dist import get_world_size
-from .losses import causal_lm_loss
 
-__all__ = ["EvalResult", "ExactMatch", "causal_lm_loss", "evaluate", "exact_match"]
+__all__ = ["EvalResult", "ExactMatch", "evaluate", "exact_match"]
 
 
 @dataclass
@@ -58,12 +58,12 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
              autocast: Callable[[], object] | None = None, max_batches: int | None = None) -> EvalResult:
     """Held-out loss and perplexity of ``model`` over ``loader`` (an iterable of batches).
 
-    ``loss_fn(model, batch) -> (loss_sum, n_tokens)`` defaults to :func:`causal_lm_loss`;
+    ``loss_fn(model, batch) -> (loss_sum, n_tokens)`` defaults to :func:`ftlib.losses.causal_lm_loss`;
     ``autocast`` is a context factory (e.g. ``TrainOptimizer.autocast``); ``max_batches`` stops
     early. Sums are all-reduced over ranks when torch.distributed is initialised (every rank must
     call it). Raises ValueError when the data holds no target token.
     """
-    loss_fn = loss_fn or causal_lm_loss
+    loss_fn = loss_fn or losses.causal_lm_loss
     device = torch.device(device) if device is not None else _param_device(model)
     was_training = model.training
     model.eval()

@@ -11,6 +11,10 @@
         logger.step(step, result, lr=sched.get_last_lr()[0], tokens=window, skipped_steps=opt.skipped_steps)
     logger.eval(step, {"eval_loss": ..., "eval_ppl": ...})
     logger.close()
+
+One object a loop calls once per step: the JSONL file, the bar or printed lines, and the experiment
+trackers of ``report_to`` (``LOGGERS``: TensorBoard under ``<log_dir>/tb``, Weights & Biases under
+``<log_dir>/wandb``, ``log_dir`` defaulting to the JSONL file's folder) all get the same record.
     plot_metrics(out / "metrics.jsonl", out / "metrics.png")
 
 Every ``step`` writes one JSON line and flushes it (a killed run keeps every step it logged; a
@@ -18,8 +22,11 @@ resumed logger drops the lines past its ``start_step``): loss, LR, gradient norm
 clipping and their ratio, target tokens, real (non-padding) tokens, padding fraction, tokens/s,
 step time, skipped steps, fp16 loss scale, MFU and peak memory (CUDA ``max_memory_allocated``,
 else the process's peak RSS). A tqdm bar shows loss, LR, tokens/s and the ETA on rank 0 when
-stderr is a terminal; otherwise a line is printed every ``print_every`` steps. TensorBoard
-scalars are written when ``tensorboard=<dir>`` is given (needs the ``tensorboard`` package).
+stderr is a terminal; otherwise a line is printed every ``print_every`` steps. The trackers get
+the numeric fields: ``train/<key>`` for step records, ``eval/<key>`` for evaluation records, at the
+record's ``step``. Each is imported when asked for, and a missing package is an ``ImportError``
+saying what to install. W&B runs offline with ``WANDB_MODE=offline``; a resumed run keeps its W&B run
+id (``<log_dir>/wandb_run_id``) and TensorBoard drops the events past ``start_step``.
 
 FLOPs (model FLOPs, the MFU convention of PaLM, Chowdhery et al. 2022, appendix B: recomputation
 by activation checkpointing is not counted, padding is not counted). A linear layer with weight
@@ -59,6 +66,7 @@ from ._dist import comm_device, get_world_size
 
 __all__ = [
     "FlopsModel",
+    "LOGGERS",
     "MetricsLogger",
     "PEAK_TFLOPS",
     "TokenStats",
@@ -273,8 +281,69 @@ def read_metrics(path: str | os.PathLike, *, lenient: bool = False) -> list[dict
     return out
 
 
+# ---- experiment trackers ----------------------------------------------------------------------
+
+LOGGERS = ("tensorboard", "wandb")  # the trackers ``MetricsLogger(report_to=...)`` can write to
+
+
+def _scalars(rec: dict):
+    prefix = "eval/" if rec.get("kind") == "eval" else "train/"
+    for k, v in rec.items():
+        if k not in ("step", "kind") and isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield prefix + k, v
+
+
+class _TensorBoard:
+    def __init__(self, log_dir: Path, start_step: int):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError("--report-to tensorboard needs the tensorboard package: pip install tensorboard") from e
+        self.w = SummaryWriter(str(log_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+
+    def log(self, rec: dict) -> None:
+        for k, v in _scalars(rec):
+            self.w.add_scalar(k, v, rec["step"])
+
+    def close(self) -> None:
+        self.w.close()
+
+
+class _Wandb:
+    def __init__(self, log_dir: Path, config: dict, name: str | None):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError("--report-to wandb needs the wandb package: pip install wandb") from e
+        id_file = log_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else None
+        self.run = wandb.init(dir=str(log_dir), config=config, name=name, id=run_id,
+                              resume="allow" if run_id else None)
+        if run_id is None:
+            id_file.write_text(self.run.id + "\n")
+
+    def log(self, rec: dict) -> None:
+        self.run.log(dict(_scalars(rec)), step=rec["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _open_trackers(names, log_dir: Path | None, start_step: int, config: dict | None, run_name: str | None) -> list:
+    names = list(dict.fromkeys(names))
+    unknown = [n for n in names if n not in LOGGERS]
+    if unknown:
+        raise ValueError(f"unknown logger {unknown[0]!r} (known: {', '.join(LOGGERS)})")
+    if names and log_dir is None:
+        raise ValueError(f"report_to={names} needs a folder: give MetricsLogger a path or log_dir")
+    if names:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    return [_TensorBoard(log_dir, start_step) if n == "tensorboard" else _Wandb(log_dir, dict(config or {}), run_name)
+            for n in names]
+
+
 class MetricsLogger:
-    """Per-step metrics: JSONL (flushed each step), a tqdm bar or printed lines, TensorBoard.
+    """Per-step metrics: JSONL (flushed each step), a tqdm bar or printed lines, TensorBoard / W&B.
 
     ``path``: the JSONL file (None: no file); ``total_steps``: for the bar and the ETA;
     ``start_step``: the step a resumed run continues from (records after it are dropped from an
@@ -282,13 +351,15 @@ class MetricsLogger:
     enable MFU; ``world_size`` devices share the work; only ``rank`` 0 writes or prints, but every
     rank must call ``step`` under torch.distributed (token counts are summed over ranks).
     ``progress``: None = a bar when stderr is a terminal. ``print_every``: steps between printed
-    lines when there is no bar (None: never).
+    lines when there is no bar (None: never). ``report_to``: names in ``LOGGERS``, written under
+    ``log_dir`` (default: ``path``'s folder), W&B with ``run_config`` and ``run_name``.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, total_steps: int | None = None, start_step: int = 0,
                  flops: FlopsModel | None = None, peak_flops: float | None = None, world_size: int = 1,
                  rank: int = 0, device: torch.device | str | None = None, progress: bool | None = None,
-                 print_every: int | None = 10, tensorboard: str | os.PathLike | None = None):
+                 print_every: int | None = 10, report_to=(), log_dir: str | os.PathLike | None = None,
+                 run_config: dict | None = None, run_name: str | None = None):
         self.path = Path(path) if path is not None else None
         self.total, self.start_step, self.flops, self.peak = total_steps, start_step, flops, peak_flops
         self.world, self.rank, self.device, self.print_every = world_size, rank, device, print_every
@@ -296,7 +367,7 @@ class MetricsLogger:
         self._t0 = self._last = time.perf_counter()
         self._steps_timed = 0
         self._file = None
-        self._tb = None
+        self._trackers: list = []
         self._bar = None
         self.last: dict = {}
         if not self.main:
@@ -306,13 +377,10 @@ class MetricsLogger:
             if self.path.exists():
                 self._truncate_after(start_step)
             self._file = open(self.path, "a")  # noqa: SIM115 -- closed in close()
-        if tensorboard is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ImportError("MetricsLogger(tensorboard=...) needs the tensorboard package: "
-                                  "pip install tensorboard") from e
-            self._tb = SummaryWriter(str(tensorboard), purge_step=start_step + 1 if start_step else None)
+        if log_dir is None and self.path is not None:
+            log_dir = self.path.parent
+        self._trackers = _open_trackers(report_to, None if log_dir is None else Path(log_dir), start_step,
+                                        run_config, run_name)
         if progress is None:
             progress = sys.stderr.isatty()
         if progress:
@@ -334,15 +402,16 @@ class MetricsLogger:
         else:
             print(msg, flush=True)
 
-    def _emit(self, rec: dict) -> None:
+    def log(self, rec: dict) -> None:
+        """Write a record built elsewhere (a ``{"step": ..., ...}`` dict; ``"kind": "eval"`` ones go
+        under ``eval/``) to the JSONL file and every tracker, on rank 0; ``step`` and ``eval`` call it."""
+        if not self.main:
+            return
         if self._file is not None:
             self._file.write(json.dumps(rec) + "\n")
             self._file.flush()
-        if self._tb is not None:
-            prefix = "eval/" if rec.get("kind") == "eval" else "train/"
-            for k, v in rec.items():
-                if k not in ("step", "kind") and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(prefix + k, v, rec["step"])
+        for t in self._trackers:
+            t.log(rec)
 
     def step(self, step: int, result=None, *, lr: float, tokens: TokenStats | None = None,
              skipped_steps: int | None = None, **extra) -> dict:
@@ -382,7 +451,7 @@ class MetricsLogger:
         self.last = rec
         if not self.main:
             return rec
-        self._emit(rec)
+        self.log(rec)
         if self._bar is not None:
             post = {"loss": f"{rec.get('loss', float('nan')):.4f}" if rec.get("loss") is not None else "nan",
                     "lr": f"{lr:.2e}"}
@@ -419,7 +488,7 @@ class MetricsLogger:
         rec = {"step": step, "kind": "eval", **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                                 for k, v in metrics.items()}}
         if self.main:
-            self._emit(rec)
+            self.log(rec)
             self.write(f"eval @ step {step}: " + ", ".join(
                 f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
         return rec
@@ -431,9 +500,9 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for t in self._trackers:
+            t.close()
+        self._trackers = []
 
     def __enter__(self) -> MetricsLogger:
         return self

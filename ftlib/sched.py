@@ -23,6 +23,10 @@ Closed forms (W = warmup, T = total, r = min_lr_ratio, p = progress through the 
   p = (tau - w_i) / (T_i - w_i). Without warm-up and decay it is
   ``torch.optim.lr_scheduler.CosineAnnealingWarmRestarts`` with eta_min = r * base_lr.
 
+Warmup is given to the schedule, one way: ``warmup=W`` (in the unit of ``total``) or
+``warmup_ratio=w`` (W = w T), not both; the schedule's ``.warmup`` is the length it resolved
+(``WarmupDecay(total, warmup_ratio=0.03).warmup``). ``resolve_warmup`` is its deprecated spelling.
+
 Past T every schedule holds its value at T; with W == T the decay phase is empty and the
 factor stays at 1. Warmup and decay formulas are those of Hugging Face's
 ``get_cosine_with_min_lr_schedule_with_warmup`` / ``get_linear_schedule_with_warmup``.
@@ -41,6 +45,7 @@ Stateful schedules (``observe(loss, t)`` feeds them the training loss; ``state_d
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
 
 import torch
@@ -52,7 +57,6 @@ __all__ = [
     "ReduceOnPlateau",
     "WSD",
     "WarmupDecay",
-    "resolve_warmup",
 ]
 
 _DECAYS = ("cosine", "linear", "constant")
@@ -66,9 +70,18 @@ def _check_ratio(name: str, value: float) -> float:
     return value
 
 
-def resolve_warmup(total: float, warmup: float | None = None, warmup_ratio: float | None = None, *,
+def resolve_warmup(total: float, warmup: float | None = None, warmup_ratio: float | None = None) -> float:
+    """Deprecated: give the schedule ``warmup=`` or ``warmup_ratio=`` itself and read its ``.warmup``.
+
+    Kept one release for existing scripts; ``WarmupDecay(total, warmup_ratio=r).warmup`` is the same number."""
+    warnings.warn("ftlib.sched.resolve_warmup is deprecated; pass warmup_ratio= (or warmup=) to the schedule "
+                  "(WarmupDecay, WSD, PlateauCosine) and read its .warmup", DeprecationWarning, stacklevel=2)
+    return _warmup_length(total, warmup, warmup_ratio)
+
+
+def _warmup_length(total: float, warmup: float | None = None, warmup_ratio: float | None = None, *,
                    name: str = "warmup") -> float:
-    """Warmup length in units of ``total``, from an absolute length or a ratio of ``total``.
+    """Warmup length in units of ``total``, from an absolute length or a ratio of ``total`` (one of them).
 
     ``name`` is the phase the length is for, as errors name it (WSD resolves its ``decay`` here too).
     """
@@ -112,7 +125,7 @@ class WarmupDecay:
     ):
         if decay not in _DECAYS:
             raise ValueError(f"unknown schedule {decay!r}; choose one of {', '.join(_DECAYS)}")
-        self.warmup = resolve_warmup(total, warmup, warmup_ratio)
+        self.warmup = _warmup_length(total, warmup, warmup_ratio)
         self.total, self.decay = float(total), decay
         self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
 
@@ -141,11 +154,11 @@ class WSD:
     ):
         if shape not in _WSD_SHAPES:
             raise ValueError(f"unknown WSD decay shape {shape!r}; choose one of {', '.join(_WSD_SHAPES)}")
-        self.warmup = resolve_warmup(total, warmup, warmup_ratio)
+        self.warmup = _warmup_length(total, warmup, warmup_ratio)
         self.total, self.shape = float(total), shape
         if decay is not None:
             decay_ratio = None
-        self.decay_len = resolve_warmup(total, decay, decay_ratio, name="decay")  # same checks: 0 <= D <= T
+        self.decay_len = _warmup_length(total, decay, decay_ratio, name="decay")  # same checks: 0 <= D <= T
         if self.warmup + self.decay_len > self.total:
             raise ValueError(f"warmup ({self.warmup}) + decay ({self.decay_len}) exceed total ({self.total})")
         self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
@@ -247,7 +260,7 @@ class PlateauCosine:
         cap: float | None = None,
         min_lr_ratio: float = 0.0,
     ):
-        self.warmup = resolve_warmup(total, warmup, warmup_ratio)
+        self.warmup = _warmup_length(total, warmup, warmup_ratio)
         self.total = float(total)
         if window < 2:
             raise ValueError(f"window must be >= 2 losses, got {window}")

@@ -280,9 +280,51 @@ def test_plot_metrics_adds_a_throughput_panel_when_logged(tmp_path, monkeypatch)
     assert list(axes4[3].lines[0].get_ydata()) == [1000.0] * 5 and list(axes4[3].lines[0].get_xdata()) == [1, 2, 3, 4, 5]
 
 
-def test_tensorboard_scalars(tmp_path):
+def _tb_scalars(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_one_logger_writes_the_same_records_to_the_file_and_tensorboard(tmp_path):
+    """``report_to``: the trackers get each record's numbers at its step (train/ and eval/), beside the
+    JSONL; a resumed logger drops TensorBoard's events past its start step, as it does the file's lines."""
     pytest.importorskip("tensorboard")
-    with MetricsLogger(None, progress=False, print_every=None, tensorboard=tmp_path / "tb") as logger:
-        logger.step(1, _result(), lr=1.0)
-        logger.eval(1, {"eval_loss": 1.0})
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    path = tmp_path / "run" / "metrics.jsonl"
+    with MetricsLogger(path, progress=False, print_every=None, report_to=["tensorboard"]) as logger:
+        for step in (1, 2, 3):
+            logger.step(step, _result(loss=float(step)), lr=0.5)
+        logger.eval(3, {"eval_loss": 0.25})
+        logger.log({"step": 3, "kind": "eval", "accuracy": 0.75, "note": "text is not a scalar"})
+    got = _tb_scalars(tmp_path / "run" / "tb")
+    assert got["train/loss"] == [(1, 1.0), (2, 2.0), (3, 3.0)] and got["train/lr"] == [(1, 0.5), (2, 0.5), (3, 0.5)]
+    assert got["eval/eval_loss"] == [(3, 0.25)] and got["eval/accuracy"] == [(3, 0.75)]
+    assert not any(tag.endswith("note") or tag.endswith("kind") for tag in got)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 3, 3]
+    with MetricsLogger(path, progress=False, print_every=None, report_to=["tensorboard"], start_step=1) as logger:
+        logger.step(2, _result(loss=9.0), lr=0.5)
+    assert _tb_scalars(tmp_path / "run" / "tb")["train/loss"] == [(1, 1.0), (2, 9.0)]
+    assert [r["loss"] for r in read_metrics(path)] == [1.0, 9.0]
+
+
+def test_trackers_are_checked_and_only_rank_0_writes(tmp_path):
+    with pytest.raises(ValueError, match="unknown logger 'mlflow' \\(known: tensorboard, wandb\\)"):
+        MetricsLogger(None, progress=False, report_to=["mlflow"])
+    with pytest.raises(ValueError, match="needs a folder: give MetricsLogger a path or log_dir"):
+        MetricsLogger(None, progress=False, report_to=["tensorboard"])
+    MetricsLogger(None, progress=False, rank=1, report_to=["tensorboard"], log_dir=tmp_path / "r1").close()
+    assert not (tmp_path / "r1").exists()
+
+
+def test_open_loggers_is_a_deprecated_metrics_logger_without_a_file(tmp_path):
+    pytest.importorskip("tensorboard")
+    from ftlib.train import open_loggers
+
+    with pytest.warns(DeprecationWarning, match="pass report_to=.* to ftlib.metrics.MetricsLogger"):
+        loggers = open_loggers(["tensorboard"], out=tmp_path)
+    assert isinstance(loggers, MetricsLogger)
+    loggers.log({"step": 4, "loss": 2.0})
+    loggers.close()
+    assert _tb_scalars(tmp_path / "tb") == {"train/loss": [(4, 2.0)]} and list(tmp_path.iterdir()) == [tmp_path / "tb"]

@@ -1,5 +1,6 @@
 """The wheel's explicit package list stays in step with the source tree, and imports stay lazy."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +26,20 @@ def test_import_ftlib_pulls_in_no_optional_dependency():
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_docstrings_point_to_files_that_ship():
+    """DESIGN.md is not part of the package or the repository's examples: no module may send a reader there."""
+    import ftlib
+
+    pkg = os.path.dirname(ftlib.__file__)
+    roots = [pkg, os.path.join(os.path.dirname(pkg), "examples"), os.path.join(os.path.dirname(pkg), "benchmarks")]
+    seen = 0
+    for root in roots:
+        for dirpath, _, files in os.walk(root):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    seen += 1
+                    path = os.path.join(dirpath, name)
+                    assert "DESIGN.md" not in open(path).read(), path
+    assert seen > 20

@@ -133,7 +133,7 @@ def _small(assets: Path, out: Path, *extra: str) -> list[str]:
 
 
 def test_resume_with_changed_settings_is_refused_naming_each_unless_overridden(assets, tmp_path):
-    from ftlib.sched import WarmupDecay, resolve_warmup
+    from ftlib.sched import WarmupDecay
 
     out = tmp_path / "run"
     n = torch.get_num_threads()
@@ -159,7 +159,7 @@ def test_resume_with_changed_settings_is_refused_naming_each_unless_overridden(a
     finally:
         torch.set_num_threads(n)
     assert [r["step"] for r in records] == [3, 4]
-    want = WarmupDecay(total=4, warmup=resolve_warmup(4, warmup_ratio=0.03), decay="cosine", min_lr_ratio=0.1)
+    want = WarmupDecay(total=4, warmup_ratio=0.03, decay="cosine", min_lr_ratio=0.1)
     for r in records:
         assert r["lr"] == pytest.approx(1e-3 * want(r["step"]), rel=1e-9), r
     run = json.loads((out / "run.json").read_text())

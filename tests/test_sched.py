@@ -322,3 +322,15 @@ def test_wsd_errors_name_the_decay_phase():
         WSD(total=100, decay_ratio=1.5)
     with pytest.raises(ValueError, match=r"^warmup \(101.0\) is longer than total"):
         WSD(total=100, warmup=101)
+
+
+def test_warmup_is_given_to_the_schedule_and_resolve_warmup_is_deprecated():
+    """One way to give warmup: ``warmup=`` / ``warmup_ratio=`` on the schedule; the old helper warns
+    and returns the schedule's own number for one release."""
+    import ftlib.sched
+
+    assert "resolve_warmup" not in ftlib.sched.__all__
+    for make in (WarmupDecay, PlateauCosine, WSD):
+        assert make(200, warmup_ratio=0.15).warmup == 30.0
+    with pytest.warns(DeprecationWarning, match="pass warmup_ratio= .* to the schedule"):
+        assert ftlib.sched.resolve_warmup(200, warmup_ratio=0.15) == WarmupDecay(200, warmup_ratio=0.15).warmup

@@ -53,25 +53,19 @@ from .pairs import (
     build_pair_cache,
     open_pair_cache,
 )
+from .readers import ReadLimits, decode_item, iter_raw, iter_records
 from .report import DataError, SkipReport
-from .sources import (
-    ReadLimits,
-    Shard,
-    decode_item,
-    iter_raw,
-    iter_records,
-    list_shards,
-    parse_hub_spec,
-    resolve_hub_dataset,
-    shard_fingerprint,
-)
+from .shards import Shard, list_shards, parse_hub_spec, resolve_hub_dataset, shard_fingerprint
+from .sharegpt import chat_turns
 from .split import DocSubset, heldout_split
+from .templates import ChatTemplate, resolve_chat_template
 
 __all__ = [
     "BUILTIN_TEMPLATES",
     "CHAT_ROLES",
     "CHOSEN_BIT",
     "CacheError",
+    "ChatTemplate",
     "DataError",
     "DocSubset",
     "FormatConfig",
@@ -98,6 +92,7 @@ __all__ = [
     "bfd_assign",
     "build_cache",
     "build_pair_cache",
+    "chat_turns",
     "collate_packed",
     "collate_pairs_packed",
     "collate_pairs_padded",
@@ -118,6 +113,7 @@ __all__ = [
     "parse_hub_spec",
     "parse_mixture",
     "render_chat",
+    "resolve_chat_template",
     "resolve_hub_dataset",
     "select_pairs",
     "shard_fingerprint",

@@ -37,8 +37,8 @@ from .cli import (
     load_tokenizer_arg,
 )
 from .formatting import TRUNCATIONS
+from .readers import ReadLimits
 from .report import DataError
-from .sources import ReadLimits
 
 
 def _token(s):

@@ -15,7 +15,7 @@ and adding source shards tokenizes only the new ones.
 What the cache checks about a source (``full_hash``). Sources are recognised by content, never
 by name or modification time. By default (``full_hash=False``) the fingerprint is the file's
 size plus a SHA-256 of every byte for files up to 3 MiB, and of 18 sampled blocks (~3 MiB) for
-larger ones (``sources.shard_fingerprint``): an in-place edit of a larger file that keeps its
+larger ones (``shards.shard_fingerprint``): an in-place edit of a larger file that keeps its
 size and touches no sampled block is *not* noticed, and the old tokens are reused.
 ``full_hash=True`` (``python -m ftlib.data build --full-hash``) hashes every byte of every source
 at each build (one full read of the corpus) and notices any change. The manifest records which
@@ -43,7 +43,7 @@ Crash safety and integrity. Each file is written to ``.<name>.tmp-<pid>``, fsync
 and the manifest after all shards, so an interrupted build never leaves a cache that opens
 as valid. A write that fails (a full disk) raises :class:`CacheError` naming the file and the source
 shard it was for. The metadata records the file's size, its full SHA-256 and the sampled fingerprint of
-``sources.shard_fingerprint``; opening checks the size and the sampled hash
+``shards.shard_fingerprint``; opening checks the size and the sampled hash
 (``verify="sample"``, ~3 MiB read per shard) or the full hash (``verify="full"``) and raises
 :class:`CacheError` naming the file on any mismatch, and naming the file and field when a
 manifest or metadata file is cut short or lacks a field.
@@ -93,8 +93,9 @@ except ImportError:  # not POSIX: builds of one directory are not serialised the
 
 from .._atomic import atomic_write
 from .formatting import FormatConfig
+from .readers import ReadLimits, decode_item, item_nbytes, iter_raw
 from .report import DataError, SkipReport
-from .sources import ReadLimits, Shard, decode_item, item_nbytes, iter_raw, list_shards, shard_fingerprint
+from .shards import Shard, list_shards, shard_fingerprint
 
 __all__ = ["CacheError", "TokenCache", "build_cache", "open_cache"]
 
@@ -379,7 +380,7 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
                 strict: bool = True, progress: bool = True, full_hash: bool = False,
                 mp_context: str | None = None, verify: str = "sample",
                 limits: ReadLimits | None = None) -> TokenCache:
-    """Tokenize ``sources`` (see ``sources.list_shards``) into ``cache_dir`` and open it.
+    """Tokenize ``sources`` (see ``shards.list_shards``) into ``cache_dir`` and open it.
 
     Shards whose cache files already exist (same content, tokenizer, settings) are reused, except
     that a strict build reads again a shard from which a lenient build skipped anything (so it
@@ -391,7 +392,7 @@ def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num
     ``full_hash``: what identifies a source. Default False: size + SHA-256 of the whole file up
     to 3 MiB, of ~3 MiB of sampled blocks above that (a same-size edit outside the samples is not
     noticed); True: SHA-256 of every byte (module docstring). ``limits``: the most bytes one
-    record may take when read (``sources.ReadLimits``, default 16 MiB per record, 1 GiB per
+    record may take when read (``readers.ReadLimits``, default 16 MiB per record, 1 GiB per
     whole-parsed document); larger records are refused and reported.
 
     A build that gives no document at all raises :class:`~ftlib.data.report.DataError` naming the

@@ -37,7 +37,7 @@ from pathlib import Path
 from .formatting import FormatConfig
 from .templates import ChatTemplate, resolve_chat_template
 
-__all__ = ["FIELD_FLAGS", "FlagError", "FlagParser", "add_format_flags", "data_error_message", "data_sources",
+__all__ = ["FIELD_FLAGS", "FlagError", "FlagParser", "RenamedFlag", "add_format_flags", "data_error_message", "data_sources",
            "default_num_proc", "flag_message", "format_config_from_args", "load_tokenizer_arg", "number", "whole"]
 
 # FormatConfig field -> the flag that sets it (the library's messages name fields; users know flags)
@@ -122,13 +122,27 @@ def flag_message(msg: str, renames: dict[str, str] | None = None) -> str:
     return re.sub(r"FormatConfig\.(\w+)", lambda m: flags.get(m.group(1), m.group(0)), msg)
 
 
+class RenamedFlag(argparse.Action):
+    """A flag that was renamed: using it (or its key in a ``--config`` file) is a one-line error naming
+    the new flag; nothing is read from it."""
+
+    def __init__(self, option_strings, dest, *, new: str, **kw):
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = f" {values}" if values is not None else ""
+        parser.error(f"{option_string} was renamed {self.new}: pass {self.new}{given}")
+
+
 def add_format_flags(p: argparse.ArgumentParser, *, kinds: tuple[str, ...] = ("chat", "instruction", "text")) -> None:
     """The record-format flags (see the module docstring), in a group of their own. ``kinds``: the
     ``--kind`` values a command reads (a preference-pair script: chat and text)."""
     g = p.add_argument_group("data format")
-    g.add_argument("--kind", "--format", dest="kind", choices=list(kinds), default=kinds[0],
+    g.add_argument("--kind", choices=list(kinds), default=kinds[0],
                    help="chat: a 'messages' list (or ShareGPT 'conversations'); instruction: prompt/response "
-                        "fields; text: raw text, every token trained (default: chat; --format is the old name)")
+                        "fields; text: raw text, every token trained (default: chat)")
+    g.add_argument("--format", action=RenamedFlag, new="--kind", help=argparse.SUPPRESS)
     g.add_argument("--chat-template", default=None,
                    help="built-in name (chatml, llama3), a .jinja file, a tokenizer_config.json, a model folder, "
                         "or Jinja text (default: the tokenizer's own; refused when it has none)")

@@ -152,8 +152,8 @@ from .layouts import record_messages, unread_fields
 from .pretruncate import encode_bounded
 from .report import SkipReport
 
-__all__ = ["BUILTIN_TEMPLATES", "CHAT_ROLES", "FormatConfig", "FormattedDoc", "Formatter", "TemplateLimitError",
-           "detect_turn_end", "render_chat"]
+__all__ = ["BUILTIN_TEMPLATES", "BadMessages", "CHAT_ROLES", "FormatConfig", "FormattedDoc", "Formatter",
+           "TemplateLimitError", "check_messages", "detect_turn_end", "render_chat"]
 
 _S0, _S1 = "\ue000", "\ue001"  # private-use code points: assistant content start / end sentinels
 _T0, _T1 = "\ue002", "\ue003"  # the same around tool / function results (to see that the template shows them)
@@ -175,6 +175,56 @@ def _call_name(call: dict):
     """A tool call's function name: OpenAI's ``{"function": {"name"}}`` or a flat ``{"name"}``."""
     fn = call.get("function")
     return fn.get("name") if isinstance(fn, dict) else call.get("name")
+
+
+class BadMessages(ValueError):
+    """A record's message list that cannot be formatted: ``reason`` is the ``SkipReport`` reason
+    (``bad_field`` or ``unknown_role``), the message the detail."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+def check_messages(msgs, field: str, roles: tuple[str, ...] | None = CHAT_ROLES, *, name_field: bool = False
+                   ) -> list[dict]:
+    """The one message validator (SFT records and preference pairs): ``msgs`` of record field ``field``
+    as a list of message dicts, or :class:`BadMessages` saying which message and why.
+
+    Each message is a dict with a string ``role`` (one of ``roles``; None: any) and a string
+    ``content``, without the reserved code points U+E000..U+E005 (the formatter's span markers); an
+    assistant's ``tool_calls`` is a list of calls each with a function name (an empty list is dropped,
+    a call without text gets content ""). Returns the messages so normalised. ``name_field``: the
+    errors about one message start with ``field 'x': `` too (a pair has several message fields)."""
+    at = f"field {field!r}: " if name_field else ""
+    if not isinstance(msgs, list) or not msgs:
+        raise BadMessages("bad_field", f"field {field!r} must be a non-empty list")
+    out = []
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadMessages("bad_field", f"{at}message {j} needs string 'role' and 'content'")
+        calls = m.get("tool_calls")
+        if m["role"] == "assistant" and calls is not None:
+            if not isinstance(calls, list) or not all(isinstance(k, dict) and isinstance(_call_name(k), str)
+                                                      and _call_name(k) for k in calls):
+                raise BadMessages("bad_field", f"{at}message {j}: 'tool_calls' must be a list of calls, "
+                                  "each with a function name ({'function': {'name', 'arguments'}} or "
+                                  "{'name', 'arguments'})")
+            if not calls:  # an empty list: no call, an ordinary turn
+                m = {k: v for k, v in m.items() if k != "tool_calls"}
+            elif m.get("content") is None:  # a call without text: content "" (templates test it)
+                m = {**m, "content": ""}
+        if not isinstance(m.get("content"), str):
+            raise BadMessages("bad_field", f"{at}message {j} needs string 'role' and 'content'")
+        if roles is not None and m["role"] not in roles:
+            raise BadMessages("unknown_role", f"{at}message {j} has role {m['role']!r}, not one of "
+                              f"{', '.join(roles)} (FormatConfig.roles)")
+        if any(x in m["content"] for x in _RESERVED) or any(x in _call_name(k) for k in m.get("tool_calls", ())
+                                                            for x in _RESERVED):
+            raise BadMessages("bad_field", f"{at}message {j} contains reserved code points "
+                              "U+E000..U+E005")
+        out.append(m)
+    return out
 
 
 def _mark_call(call: dict) -> dict:
@@ -387,38 +437,11 @@ class Formatter:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             report.add("bad_field", where, f"field {c.tools_field!r} must be a list of tool (function) objects")
             return None
-        if not isinstance(msgs, list) or not msgs:
-            report.add("bad_field", where, f"field {field!r} must be a non-empty list")
+        try:
+            msgs = check_messages(msgs, field, c.roles)
+        except BadMessages as e:
+            report.add(e.reason, where, str(e))
             return None
-        out = []
-        for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                report.add("bad_field", where, f"message {j} needs string 'role' and 'content'")
-                return None
-            calls = m.get("tool_calls")
-            if m["role"] == "assistant" and calls is not None:
-                if not isinstance(calls, list) or not all(isinstance(k, dict) and isinstance(_call_name(k), str)
-                                                          and _call_name(k) for k in calls):
-                    report.add("bad_field", where, f"message {j}: 'tool_calls' must be a list of calls, each with "
-                               "a function name ({'function': {'name', 'arguments'}} or {'name', 'arguments'})")
-                    return None
-                if not calls:  # an empty list: no call, an ordinary turn
-                    m = {k: v for k, v in m.items() if k != "tool_calls"}
-                elif m.get("content") is None:  # a call without text: content "" (templates test it)
-                    m = {**m, "content": ""}
-            if not isinstance(m.get("content"), str):
-                report.add("bad_field", where, f"message {j} needs string 'role' and 'content'")
-                return None
-            if m["role"] not in c.roles:
-                report.add("unknown_role", where, f"message {j} has role {m['role']!r}, not one of "
-                           f"{', '.join(c.roles)} (FormatConfig.roles)")
-                return None
-            if any(x in m["content"] for x in _RESERVED) or any(x in _call_name(k) for k in m.get("tool_calls", ())
-                                                                for x in _RESERVED):
-                report.add("bad_field", where, f"message {j} contains reserved code points U+E000..U+E005")
-                return None
-            out.append(m)
-        msgs = out
         if all(not m["content"].strip() and not m.get("tool_calls") for m in msgs):
             report.add("empty_document", where, "all message contents are empty")
             return None

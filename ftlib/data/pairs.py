@@ -1,7 +1,7 @@
 """Preference pairs: records -> (prompt, chosen, rejected) token ids with response-only loss masks,
 stored in the Arrow token cache, one document per pair.
 
-Records (JSONL / Parquet / any source of ``ftlib.data.sources``), field names configurable:
+Records (JSONL / Parquet / any source of ``ftlib.data.readers``), field names configurable:
 
 ``prompt``     a string (one user turn) or a list of ``{"role", "content"}`` messages;
 ``messages``   the prompt conversation as a message list (used when present, before ``prompt``);
@@ -63,7 +63,7 @@ from typing import ClassVar
 import numpy as np
 
 from .cache import CacheError, TokenCache, build_cache
-from .formatting import BUILTIN_TEMPLATES, FormatConfig, Formatter
+from .formatting import BUILTIN_TEMPLATES, BadMessages, FormatConfig, Formatter, check_messages
 from .pretruncate import encode_bounded
 
 __all__ = [
@@ -184,11 +184,11 @@ class PairFormatter:
         if not isinstance(value, list) or not value:
             report.add("bad_field", where, f"field {field!r} must be a string or a non-empty list of messages")
             return None
-        for j, m in enumerate(value):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                report.add("bad_field", where, f"field {field!r}: message {j} needs string 'role' and 'content'")
-                return None
-        return [{"role": m["role"], "content": m["content"]} for m in value]
+        try:  # the formatter's validator: one set of rules for SFT records and pairs
+            return check_messages(value, field, roles=None, name_field=True)
+        except BadMessages as e:
+            report.add(e.reason, where, str(e))
+            return None
 
     def conversation(self, rec: dict, where: str, report):
         """(prompt, chosen, rejected) message lists of a chat record, or None (reported)."""

@@ -6,7 +6,7 @@ keeps at most ``L`` tokens from one or both ends of a text, so only those ends n
 the SFT formatter's ``text`` kind (``right`` and ``prompt_left`` keep the head, ``head_tail``
 head and tail; ``formatting.py``) and the pair formatter's ``text`` kind (the prompt keeps its
 tail, each response its head; ``pairs.py``). Chat records are rendered whole (their size is
-bounded by the reader, ``sources.ReadLimits``).
+bounded by the reader, ``readers.ReadLimits``).
 
 The bound. A text of at most ``(L + 64) * CHARS_PER_TOKEN`` characters is tokenized whole, as
 before: the result is exact. A longer one is cut: only its first and/or last ``c`` characters

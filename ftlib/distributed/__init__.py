@@ -16,13 +16,13 @@ Modules: ``sharding`` (``shard_model``, ``wrap_ddp``, ``device_mesh``, ``init_di
 ``sharded_load`` (``load_sharded`` / ``init_sharded``: build on the meta device, adapt, shard, then each
 rank fills only its shards from the safetensors rows it owns or the replayed constructor init;
 ``meta_model``, ``materialize_sharded``, ``shard_rows`` are its steps),
-``checkpoint`` (``ShardedCheckpointer``, built on ``ftlib.checkpoint``'s format; ``load_sharded_checkpoint``
-is ``ftlib.checkpoint.load_checkpoint``, which reads either kind on any number of ranks), ``export``
+``checkpoint`` (``ShardedCheckpointer``, built on ``ftlib.checkpoint``'s format; they are read back by
+``ftlib.checkpoint.load_checkpoint``, which reads either kind on any number of ranks), ``export``
 (``export_adapter``, ``export_merged``), ``memory`` (``estimate_memory``; the CLI
 ``python -m ftlib.distributed memory --model config.json --gpus 8 --lora-r 16 --qlora``).
 """
 
-from .checkpoint import ShardedCheckpointer, load_sharded_checkpoint, save_sharded_checkpoint
+from .checkpoint import ShardedCheckpointer, save_sharded_checkpoint
 from .export import export_adapter, export_merged
 from .memory import MemoryEstimate, estimate_memory
 from .sharded_load import init_sharded, load_sharded, materialize_sharded, meta_model, shard_rows
@@ -50,7 +50,6 @@ __all__ = [
     "init_sharded",
     "is_rank0",
     "load_sharded",
-    "load_sharded_checkpoint",
     "materialize_sharded",
     "meta_model",
     "mixed_precision_policy",

@@ -11,14 +11,14 @@ import argparse
 import json
 import sys
 
-from .memory import METHODS, PRESETS, estimate_memory, format_table, load_config
+from .memory import METHODS, PRESETS, estimate_memory, format_table
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ftlib.distributed", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("memory", help="estimate per-GPU memory (parameters, gradients, optimizer, activations)")
-    m.add_argument("--model", required=True, help="a Hugging Face config.json, the folder holding it, or a preset: "
+    m.add_argument("--model", required=True, help="a Hugging Face config.json, the folder holding it, a hub repo id, or a preset: "
                    + ", ".join(sorted(PRESETS)))
     m.add_argument("--gpus", type=int, nargs="+", default=[1], help="number(s) of GPUs (ranks), e.g. 1 2 4 8")
     m.add_argument("--shard-size", type=int, default=None,
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
     offload = {"no": [False], "yes": [True], "both": [False, True]}[args.cpu_offload]
     try:
-        config = load_config(args.model)
+        config = args.model  # estimate_memory reads it (a file, a folder, a repo id or a preset name)
         rows = [estimate_memory(config, method=meth, gpus=g, shard_size=args.shard_size, lora_r=args.lora_r,
                                 lora_targets=targets, lora_dropout=args.lora_dropout, batch_size=args.batch_size,
                                 seq_len=args.seq_len, grad_ckpt=not args.no_grad_ckpt, optimizer=args.optimizer,

@@ -3,8 +3,7 @@
 The format is ``ftlib.checkpoint``'s (names, marker, verification, rotation, the root's lock,
 fallback past bad checkpoints); the sharded layout (which tensors go into the shards and the
 per-rank files) is ``ftlib.checkpoint.sharded``'s, and ``ftlib.checkpoint.load_checkpoint``
-reads these checkpoints on any number of ranks (``load_sharded_checkpoint`` is the same
-function). ``latest_checkpoint``, ``list_checkpoints``, ``best_checkpoint`` and
+reads these checkpoints on any number of ranks (one loader for both kinds). ``latest_checkpoint``, ``list_checkpoints``, ``best_checkpoint`` and
 ``verify_checkpoint`` read both kinds.
 
 Atomicity. Ranks write into ``<root>/.tmp-step-00001200-<pid of rank 0>-<n>/``; each rank hashes
@@ -43,7 +42,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .._dist import all_gather_json, from_rank0, get_rank, get_world_size, is_distributed
-from ..checkpoint import load_checkpoint
 from ..checkpoint.background import BackgroundWriter
 from ..checkpoint.format import (
     FORMAT,
@@ -81,9 +79,7 @@ from ..checkpoint.sharded import (
 from ..checkpoint.verify import latest_checkpoint
 from .export import save_adapter_gathered
 
-__all__ = ["SHARDS", "ShardedCheckpointer", "load_sharded_checkpoint", "save_sharded_checkpoint"]
-
-load_sharded_checkpoint = load_checkpoint  # one loader for both kinds; the name stays for existing code
+__all__ = ["SHARDS", "ShardedCheckpointer", "save_sharded_checkpoint"]
 
 
 def _sha(obj: Any) -> str:

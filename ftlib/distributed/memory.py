@@ -88,9 +88,7 @@ calculator runs without a download.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -98,7 +96,7 @@ import torch
 
 from ..losses import auto_chunk_size
 
-__all__ = ["METHODS", "MemoryEstimate", "PRESETS", "activation_bytes_per_token", "estimate_memory", "load_config"]
+__all__ = ["METHODS", "MemoryEstimate", "PRESETS", "activation_bytes_per_token", "estimate_memory"]
 
 METHODS = ("full", "lora", "qlora")
 GiB = 2**30
@@ -147,23 +145,20 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
-def load_config(path: str | os.PathLike):
-    """A ``LlamaConfig`` from a config.json file, a folder holding one (a Hugging Face checkpoint) or the
-    name of a ``PRESETS`` entry (when no such file or folder exists)."""
-    from ..models.config import LlamaConfig
+def _config(spec):
+    """``spec`` as a ``LlamaConfig``: one as is, the name of a ``PRESETS`` entry (when no such file or
+    folder exists), else what ``ftlib.models.load_config`` reads (a config.json, its folder, a repo id)."""
+    from ..models import LlamaConfig, load_config
 
-    p = Path(path)
-    if str(path) in PRESETS and not p.exists():
-        return LlamaConfig.from_hf_dict(PRESETS[str(path)], source=f"preset {path}")
-    f = p / "config.json" if p.is_dir() else p
-    if not f.is_file():
-        raise FileNotFoundError(f"{f}: no config.json (pass a Hugging Face config.json, the folder holding it, or "
-                                f"one of {', '.join(sorted(PRESETS))})")
+    if isinstance(spec, LlamaConfig) or hasattr(spec, "hidden_size"):
+        return spec
+    if str(spec) in PRESETS and not Path(spec).exists():
+        return LlamaConfig.from_hf_dict(PRESETS[str(spec)], source=f"preset {spec}")
     try:
-        d = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    return LlamaConfig.from_hf_dict(d, source=str(f))
+        return load_config(spec)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e} (pass a Hugging Face config.json, the folder holding it, a hub repo id, or "
+                                f"one of the presets {', '.join(sorted(PRESETS))})") from None
 
 
 def _rows0(shape, shards: int) -> int:
@@ -207,7 +202,8 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
                     seq_len: int = 2048, grad_ckpt: bool = True, optimizer: str = "adamw",
                     dtype: torch.dtype = torch.bfloat16, loss_chunk: int | None = None,
                     cpu_offload: bool = False) -> MemoryEstimate:
-    """Estimate one rank's memory for fine-tuning ``config`` (a ``LlamaConfig`` or a config.json path).
+    """Estimate one rank's memory for fine-tuning ``config``: a ``LlamaConfig``, a config.json, the folder
+    holding one, a hub repo id (``ftlib.models.load_config``) or the name of a ``PRESETS`` entry.
 
     ``method``: full | lora | qlora (NF4 with double quantization). ``gpus``: ranks;
     ``shard_size``: ranks per FSDP2 shard group (HSDP; default all of them). ``use_dora`` adds the
@@ -218,8 +214,7 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
     from ..lora import LoRAConfig, plan_lora
     from ..models import LlamaForCausalLM
 
-    if not hasattr(config, "hidden_size"):
-        config = load_config(config)
+    config = _config(config)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if optimizer not in ("adamw", "adamw8bit"):

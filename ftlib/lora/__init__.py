@@ -10,6 +10,7 @@ Typical use::
     save_adapter(model, "out/adapter")   # loads with peft.PeftModel.from_pretrained
 """
 
+from ..kernels.dora_ref import dora_row_norm, dora_row_norm_direct
 from .apply import (
     ParamCount,
     apply_lora,
@@ -24,7 +25,6 @@ from .apply import (
     unmerge_lora,
 )
 from .config import LoRAConfig
-from .dora import dora_row_norm, dora_row_norm_direct
 from .layers import LoRALinear
 from .nf4 import NF4Linear, dequantize_nf4, quantize_nf4
 from .peft_io import adapter_state_dict, load_adapter, save_adapter

@@ -38,9 +38,8 @@ def draw_dropout_rng(device: torch.device) -> tuple[int, int]:
 def _row_norm(layer, dtype: torch.dtype) -> torch.Tensor:
     if not layer.is_quantized:
         return layer.weight_norm()
+    from ftlib.kernels.dora_ref import dora_row_norm
     from ftlib.kernels.lora_triton import base_matmul_triton
-
-    from .dora import dora_row_norm
 
     base = layer.base_layer
     with torch.no_grad(), torch.autocast(layer.lora_A.weight.device.type, enabled=False):

@@ -1,7 +1,9 @@
-"""DoRA's row norm ``||W + s B A||``: the math lives in ``ftlib.kernels.dora_ref`` (the fused kernels
-use it); its public names are re-exported here for ``ftlib.lora`` users.
+"""Internal, going away: ``ftlib.lora.layers`` still imports DoRA's row norm through this module.
+
+The math and its one home is ``ftlib.kernels.dora_ref`` (``ftlib.lora`` re-exports ``dora_row_norm`` /
+``dora_row_norm_direct`` from there); delete this file once ``layers.py`` imports ``..kernels.dora_ref``.
 """
 
-from ftlib.kernels.dora_ref import RECOMPUTE_ROWS, dora_row_norm, dora_row_norm_direct, row_sq_norm
+from ftlib.kernels.dora_ref import dora_row_norm, row_sq_norm
 
-__all__ = ["RECOMPUTE_ROWS", "dora_row_norm", "dora_row_norm_direct", "row_sq_norm"]
+__all__ = ["dora_row_norm", "row_sq_norm"]

@@ -24,7 +24,7 @@ from .reward import (
     score,
 )
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
-from .tokenizer import PretrainedTokenizer, load_tokenizer, render_chat_template
+from .tokenizer import PretrainedTokenizer, load_tokenizer
 from .vocab import check_vocab
 
 __all__ = [
@@ -46,7 +46,6 @@ __all__ = [
     "pack_documents",
     "pairwise_accuracy",
     "parse_size",
-    "render_chat_template",
     "rope_cos_sin",
     "rope_inv_freq",
     "sample_next",

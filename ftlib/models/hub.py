@@ -64,9 +64,13 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def load_config(path_or_repo_id: str | os.PathLike) -> LlamaConfig:
-    """``LlamaConfig`` from the config.json of a local directory or a hub repo id."""
-    root = resolve_model_dir(path_or_repo_id)
-    return read_config(root / "config.json")
+    """``LlamaConfig`` from a config.json file, the local directory holding one, or a hub repo id.
+
+    The one config reader: ``ftlib.distributed.estimate_memory`` and ``load_pretrained`` use it too."""
+    p = Path(path_or_repo_id)
+    if p.is_file():
+        return read_config(p)
+    return read_config(resolve_model_dir(path_or_repo_id) / "config.json")
 
 
 def read_config(path: Path) -> LlamaConfig:
@@ -75,7 +79,7 @@ def read_config(path: Path) -> LlamaConfig:
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON: {e}") from None
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     return LlamaConfig.from_hf_dict(d, source=str(path))
 
 

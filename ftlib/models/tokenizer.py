@@ -14,8 +14,7 @@ Chat templates are untrusted code that came with a checkpoint, so
 ``apply_chat_template`` renders them with ftlib's one chat renderer
 (``ftlib.data.render_chat``, defined in ``ftlib._jinja``): jinja2's
 ``ImmutableSandboxedEnvironment`` with the helpers Hugging Face provides, bounded
-in time and size per render. ``render_chat_template(template, messages)`` is the
-deprecated spelling of ``render_chat(messages, template)``.
+in time and size per render.
 
 ``resolve_model_dir`` maps a local directory or a hub repo id to a directory; a
 repo id is fetched by ``huggingface_hub.snapshot_download`` (config, weights
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,7 @@ from .._fields import json_str
 from .._jinja import render_chat
 from .vocab import check_vocab
 
-__all__ = ["PretrainedTokenizer", "load_tokenizer", "render_chat_template", "resolve_model_dir"]
+__all__ = ["PretrainedTokenizer", "load_tokenizer", "resolve_model_dir"]
 
 _ALLOW = ["*.json", "*.safetensors", "*.jinja"]  # config, weights + index, tokenizer files, chat template
 _SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -81,18 +79,6 @@ def _token_text(value: Any, path: Path, key: str) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     raise ValueError(f"{path}: {key} must be a string or an object with 'content', got {value!r}")
-
-
-def render_chat_template(template: str, messages: list[dict], *, add_generation_prompt: bool = False,
-                         **variables: Any) -> str:
-    """Deprecated: ``ftlib.data.render_chat(messages, template, ...)``, the one chat renderer (messages first).
-
-    Kept so existing code runs; it renders through ``render_chat``, so built-in names render and a
-    misspelled name is refused."""
-    warnings.warn("ftlib.models.render_chat_template(template, messages) is deprecated; use "
-                  "ftlib.data.render_chat(messages, template) (the one chat renderer, messages first) or "
-                  "tokenizer.apply_chat_template(messages)", DeprecationWarning, stacklevel=2)
-    return render_chat(messages, template, add_generation_prompt=add_generation_prompt, **variables)
 
 
 class PretrainedTokenizer:

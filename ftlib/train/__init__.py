@@ -17,15 +17,13 @@ same in every script and must not drift between copies:
   the CPU thread default (``cpu_threads``), and the settings that parse but cannot train refused
   before training (``pick_precision``, ``split_heldout``, ``train_loader``, ``check_targets``,
   ``eval_intervals``);
-- ``loggers``: ``open_loggers``, TensorBoard and W&B behind one interface.
+- ``loggers``: ``open_loggers``, deprecated (the trackers are ``ftlib.metrics.MetricsLogger(report_to=...)``'s).
 
-Layer: above ``checkpoint`` and ``distributed`` (a sharded resume imports the latter lazily),
-below ``examples/``; nothing else in ftlib imports it.
+Layer: above ``checkpoint`` (one ``load_checkpoint`` resumes one-process and sharded runs) and
+``distributed``, below ``ftlib.cli`` and ``examples/``.
 """
 
 from .cli import (
-    FlagError,
-    FlagParser,
     add_data_flags,
     add_eval_flags,
     add_loop_flags,
@@ -44,7 +42,7 @@ from .cli import (
     whole,
 )
 from .export import TOKENIZER_FILES, copy_tokenizer_files, save_merged
-from .loggers import LOGGERS, Loggers, open_loggers
+from .loggers import open_loggers
 from .manifest import RUN_MANIFEST, git_commit, write_run_manifest
 from .plan import StepPlan, plan_steps
 from .resume import (
@@ -59,10 +57,6 @@ from .resume import (
 from .seed import seed_everything
 
 __all__ = [
-    "FlagError",
-    "FlagParser",
-    "LOGGERS",
-    "Loggers",
     "RUN_MANIFEST",
     "ResumeError",
     "Resumed",

@@ -5,7 +5,7 @@ flags), so a flag has one name, one meaning and one default in every script and 
 ``python -m ftlib.data build`` (whose record-format flags, ``ftlib.data.cli.add_format_flags``,
 are the same ones :func:`add_data_flags` adds):
 
-    p = FlagParser()                           # argparse, with one-line errors
+    p = FlagParser()                           # ftlib.data.cli's argparse, with one-line errors
     add_model_flags(p); add_data_flags(p); add_loop_flags(p); add_eval_flags(p); add_output_flags(p)
     args = parse_with_config(p, argv)          # --config FILE under the flags, then checks
 
@@ -36,10 +36,10 @@ import json
 import os
 from pathlib import Path
 
-from ..data.cli import FlagError, FlagParser, add_format_flags, number, whole
-from .loggers import LOGGERS
+from ..data.cli import FlagError, RenamedFlag, add_format_flags, number, whole
+from ..metrics import LOGGERS
 
-__all__ = ["CONFIG_SKIP", "FlagError", "FlagParser", "add_data_flags", "add_eval_flags", "add_loop_flags", "add_model_flags",
+__all__ = ["CONFIG_SKIP", "add_data_flags", "add_eval_flags", "add_loop_flags", "add_model_flags",
            "add_output_flags", "check_output_flags", "check_targets", "cpu_threads", "eval_intervals", "load_config_file",
            "number", "parse_with_config", "pick_precision", "split_heldout", "train_loader", "whole"]
 
@@ -202,6 +202,8 @@ def _config_value(parser: argparse.ArgumentParser, action: argparse.Action, key:
     them and parsed by ``parser``; what the flag would refuse is a one-line ``parser.error``."""
     flag = action.option_strings[0] if action.option_strings else key
     where = f"--config {path}: {key}={value!r}"
+    if isinstance(action, RenamedFlag):
+        parser.error(f"{where}: {flag} was renamed {action.new}: write {action.new.lstrip('-')} instead")
     if value is None:
         return None
     if action.nargs == 0:  # a switch (store_true, --x/--no-x)

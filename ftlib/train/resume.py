@@ -10,8 +10,7 @@
 
 What is restored. The trainable weights, the optimizer's state (moments, counters, loss scaler),
 the schedule's progress, the clipper's state, the loader's position and the RNG states, through
-``ftlib.checkpoint.load_checkpoint`` (one-process checkpoints) or
-``ftlib.distributed.load_sharded_checkpoint`` (``sharded=True``). The hyperparameters are the
+``ftlib.checkpoint.load_checkpoint`` (one loader for one-process and sharded checkpoints). The hyperparameters are the
 ones this process built from its settings: after the load, every optimizer param group gets back
 its freshly built values (weight decay, betas, ...) and the scheduler its freshly built base LRs.
 The settings check below makes them equal to the checkpoint's unless a setting was overridden,
@@ -231,11 +230,10 @@ def resume_train_state(root: str | os.PathLike, *, resume: bool, settings: Mappi
         return Resumed()
     rank = get_rank()
     world = int(loader.world_size) if loader is not None else get_world_size()
+    load = load_checkpoint  # one loader for both kinds
     if sharded:
-        from ..distributed import load_sharded_checkpoint as load
         path = existing
     else:
-        load = load_checkpoint
         path = latest_checkpoint(root)  # verified; warns about and skips incomplete or corrupt ones
         if path is None:
             raise ResumeError(f"{root}: no complete checkpoint to resume from (every one failed verification)")

@@ -1,14 +1,26 @@
 import gzip
+import io
 import json
 import os
 import pickle
+import tarfile
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from ftlib.data import CacheError, DataError, FormatConfig, Formatter, SkipReport, build_cache, open_cache
+from ftlib.data import (
+    CacheError,
+    DataError,
+    FormatConfig,
+    Formatter,
+    SkipReport,
+    build_cache,
+    open_cache,
+)
 from ftlib.data.__main__ import main as cli
 
 TEXT = FormatConfig(kind="text", eos_token="</s>")
@@ -209,7 +221,6 @@ def test_cli_chat_template_from_tokenizer_config(tmp_path, tokenizer, write_json
 def test_parquet_chunks_are_bounded_by_bytes_not_only_rows(tmp_path, tokenizer, monkeypatch):
     """Rows of long documents must not pile up 4096 to a chunk (x the in-flight window) in memory."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     import ftlib.data.cache as cache_mod
 
@@ -303,7 +314,7 @@ def test_truncation_stats_are_kept_with_the_cache(tmp_path, tokenizer, write_jso
 
 
 def _unsampled_offset(size: int) -> int:
-    """An offset past the first MiB that the sampled fingerprint does not read (sources.shard_fingerprint)."""
+    """An offset past the first MiB that the sampled fingerprint does not read (shards.shard_fingerprint)."""
     blocks = [((size - (64 << 10)) * (i + 1) // 17, (size - (64 << 10)) * (i + 1) // 17 + (64 << 10))
               for i in range(16)] + [(0, 1 << 20), (size - (1 << 20), size)]
     return next(p for p in range(1 << 20, size, 4096) if all(not (a <= p < b + 100) for a, b in blocks))
@@ -346,7 +357,7 @@ def test_same_size_edit_is_seen_with_full_hash_only(tmp_path, tokenizer, capsys)
 
 
 def test_read_limits_are_part_of_the_key_and_reach_the_readers(tmp_path, tokenizer, write_jsonl, capsys):
-    from ftlib.data.sources import ReadLimits
+    from ftlib.data import ReadLimits
 
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": "hello world " * 20}, {"text": "the fox"}])
     small = ReadLimits(max_record_bytes=100)
@@ -362,3 +373,105 @@ def test_read_limits_are_part_of_the_key_and_reach_the_readers(tmp_path, tokeniz
     assert rc == 0 and "record_too_large: 1" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"ReadLimits\.max_record_bytes must be a positive int"):
         ReadLimits(max_record_bytes=0)
+
+
+def _member(tf, name, data: bytes):
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    tf.addfile(ti, io.BytesIO(data))
+
+
+def _cut_gzip(path, n=2000):
+    with gzip.open(path, "wt") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": f"doc {i} " + "hello world " * 5}) + "\n")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def test_reader_skips_reach_the_cache_report_and_shard_metadata(tmp_path, tokenizer):
+    """A cut .jsonl.gz and a cut tar lose records in the reader: the lenient cache must say so,
+    keep it in the shard metadata, and a strict build must not reuse those shards."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _cut_gzip(src / "a.jsonl.gz")
+    with tarfile.open(src / "b.tar", "w") as tf:
+        for k in range(40):
+            _member(tf, f"part{k}.jsonl", b"".join(json.dumps({"text": f"t{k} {j}"}).encode() + b"\n"
+                                                   for j in range(50)))
+    data = (src / "b.tar").read_bytes()
+    (src / "b.tar").write_bytes(data[: len(data) // 2])
+    out = str(tmp_path / "c")
+    cache = build_cache(str(src), tokenizer, TEXT, out, strict=False, progress=False)
+    print("lenient report:", cache.report)
+    assert str(cache.report) != "no records skipped"
+    assert "unreadable_file" in cache.report.examples and len(cache.report.examples["unreadable_file"]) == 2
+    assert "records read before it" in cache.report.examples["unreadable_file"][0]
+    assert "a.jsonl.gz" in str(cache.report) and "b.tar" in str(cache.report)
+    assert "unreadable_file" in open_cache(out).report.examples  # stored with the shards
+    with pytest.raises(DataError, match="unreadable_file"):
+        build_cache(str(src), tokenizer, TEXT, out, strict=True, progress=False)
+
+
+def test_cut_or_keyless_manifest_and_metadata_name_the_file(tmp_path, tokenizer, write_jsonl):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "hello world"}])
+    out = tmp_path / "c"
+    build_cache(str(tmp_path / "a.jsonl"), tokenizer, TEXT, str(out), progress=False)
+    manifest = (out / "manifest.json").read_text()
+    (out / "manifest.json").write_text(manifest[: len(manifest) // 2])
+    with pytest.raises(CacheError, match=r"manifest\.json"):
+        open_cache(str(out))
+    m = json.loads(manifest)
+    del m["dtype"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CacheError, match=r"manifest\.json: field 'dtype' missing"):
+        open_cache(str(out))
+    (out / "manifest.json").write_text(manifest)
+    (meta_path,) = [p for p in (out / "shards").iterdir() if p.suffix == ".json"]
+    meta = json.loads(meta_path.read_text())
+    del meta["n_docs"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CacheError, match=rf"{meta_path.name}: field 'n_docs' missing"):
+        open_cache(str(out))
+
+
+def test_a_build_that_gives_no_document_is_an_error(tmp_path, tokenizer):
+    """A build of only empty files gave a cache of 0 documents without an error."""
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.jsonl").write_text("\n")
+    (d / "b.txt").write_text(" ")
+    with pytest.raises(DataError, match=r"a\.jsonl: empty_file"):
+        build_cache(str(d), tokenizer, TEXT, str(tmp_path / "c"), progress=False)
+    with pytest.raises(DataError, match=r"the build gave 0 documents from 2 file\(s\) \(.*a\.jsonl, .*b\.txt\)"):
+        build_cache(str(d), tokenizer, TEXT, str(tmp_path / "c"), strict=False, progress=False)
+    assert not os.path.exists(tmp_path / "c" / "manifest.json")
+
+
+def test_a_failed_cache_write_names_the_file(tmp_path, tokenizer, write_jsonl, monkeypatch):
+    """A cache build on a full disk said "OSError: Error writing bytes" without a path."""
+    (tmp_path / "src").mkdir()
+    src = write_jsonl(tmp_path / "src" / "a.jsonl", [{"text": "hello world"}])
+
+    class FullDisk:  # what pyarrow raises when the device is full
+        def __init__(self, *a, **k):
+            raise OSError("Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(pa, "OSFile", FullDisk)
+        with pytest.raises(CacheError, match=r"c/shards/[0-9a-f]{32}\.arrow: could not write the cache shard of "
+                                             r".*a\.jsonl: OSError: Error writing bytes.*No space left on device"):
+            build_cache(src, tokenizer, TEXT, str(tmp_path / "c"), progress=False)
+    assert not os.listdir(tmp_path / "c" / "shards")  # no half file left behind
+    from ftlib.data import cache as cache_mod
+
+    real = cache_mod.atomic_write
+
+    def full_for_manifest(path, write):
+        if str(path).endswith("manifest.json"):
+            raise OSError(28, "No space left on device")
+        real(path, write)
+
+    monkeypatch.setattr(cache_mod, "atomic_write", full_for_manifest)
+    with pytest.raises(CacheError, match=r"c/manifest\.json: could not write the cache manifest: .*No space left"):
+        build_cache(src, tokenizer, TEXT, str(tmp_path / "c"), progress=False)

@@ -1,9 +1,17 @@
+
 import numpy as np
 import pytest
+from _chat_templates import TEMPLATES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlib.data import DataError, FormatConfig, Formatter, SkipReport, render_chat
+from ftlib.data import (
+    DataError,
+    FormatConfig,
+    Formatter,
+    SkipReport,
+    render_chat,
+)
 
 CONV = [
     {"role": "system", "content": "be brief"},
@@ -438,3 +446,70 @@ def test_a_template_error_always_says_why(tokenizer):
     report = SkipReport(strict=False)
     fmt({"messages": [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "hi"}]}, "f:1", report)
     assert report.examples["template_error"] == ["f:1: template_error: TemplateError"]
+
+
+TEXT = FormatConfig(kind="text", eos_token="</s>")
+
+
+TURNS = [
+    {"role": "user", "content": "why is the sky blue"},
+    {"role": "assistant", "content": "because of Rayleigh scattering"},
+    {"role": "user", "content": "hello world"},
+    {"role": "assistant", "content": "the quick brown fox"},
+]
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_turn_end_carries_loss_with_template_text(tokenizer, name):
+    """The template as text (tokenizer_config.json), not a built-in name: the end-of-turn token after
+    each answer must be in the loss, else the model never learns to stop."""
+    template, bos, eos, prefix, turn_end, strip = TEMPLATES[name]
+    fmt = Formatter(tokenizer, FormatConfig(kind="chat", chat_template=template, bos_token=bos, eos_token=eos))
+    doc = fmt({"messages": TURNS}, "x:1", SkipReport())
+    got = tokenizer.decode([i for i, m in zip(doc.input_ids.tolist(), doc.loss_mask) if m], skip_special_tokens=False)
+    print(name, repr(got))
+    # expected: the tokens that overlap "content + turn end" of each answer in the rendered text
+    from ftlib.data import render_chat
+
+    text = render_chat(TURNS, template, bos_token=bos or "", eos_token=eos or "", add_generation_prompt=False)
+    enc = tokenizer.encode(text, add_special_tokens=False)
+    assert enc.ids == doc.input_ids.tolist()
+    want, pos = np.zeros(len(enc.ids), np.uint8), 0
+    for m in TURNS:
+        if m["role"] == "assistant":
+            body = (m["content"].strip() if strip else m["content"]) + turn_end
+            a = text.index(prefix + body, pos) + len(prefix)
+            pos = a + len(body)
+            want |= np.array([s < pos and e > a for s, e in enc.offsets], np.uint8)
+    assert doc.loss_mask.tolist() == want.tolist()
+    assert got.count(turn_end) == 2 and got.endswith(turn_end)
+
+
+def test_tokenizer_builtin_truncation_does_not_cut_documents(tokenizer):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer.to_str())
+    tok.enable_truncation(max_length=4)
+    text = {"text": "the quick brown fox jumps over the lazy dog"}
+    full = Formatter(tokenizer, TEXT)(text, "x:1", SkipReport())
+    with pytest.warns(UserWarning, match="truncation"):
+        fmt = Formatter(tok, TEXT)
+    assert fmt(text, "x:1", SkipReport()).input_ids.tolist() == full.input_ids.tolist()
+
+
+def test_one_empty_assistant_turn_among_others_is_reported(tokenizer):
+    rec = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello world"},
+                        {"role": "user", "content": "why"}, {"role": "assistant", "content": ""}]}
+    fmt = Formatter(tokenizer, FormatConfig(kind="chat", chat_template="chatml"))
+    with pytest.raises(DataError, match="x:3: empty_response"):
+        fmt(rec, "x:3", SkipReport())
+
+
+def test_instruction_field_of_the_wrong_type_is_named(tokenizer):
+    """An instruction record with prompt: 5 blamed "message 0"."""
+    fmt = Formatter(tokenizer, FormatConfig(kind="instruction", chat_template="chatml"))
+    with pytest.raises(DataError, match=r"d\.jsonl:3: bad_field: field 'prompt' is int, not a string"):
+        fmt({"prompt": 5, "response": "hi"}, "d.jsonl:3", SkipReport())
+    rep = SkipReport(strict=False)
+    assert fmt({"prompt": "hi", "response": ["a"]}, "d.jsonl:4", rep) is None
+    assert rep.examples["bad_field"] == ["d.jsonl:4: bad_field: field 'response' is list, not a string"]

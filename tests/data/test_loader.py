@@ -1,10 +1,16 @@
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlib.data import TokenLoader, build_cache, pack
+from ftlib.data import (
+    FormatConfig,
+    TokenLoader,
+    build_cache,
+    pack,
+)
 
 
 class MemDocs:
@@ -120,7 +126,6 @@ def test_workers_pin_memory_prefetch_match_single_process(tmp_path, tokenizer, w
     words = "hello world the quick brown fox".split()
     rng = np.random.default_rng(0)
     write_jsonl(tmp_path / "a.jsonl", [{"text": " ".join(rng.choice(words, rng.integers(1, 20)))} for _ in range(60)])
-    from ftlib.data import FormatConfig
 
     cache = build_cache(str(tmp_path / "a.jsonl"), tokenizer, FormatConfig(kind="text", eos_token="</s>"),
                         str(tmp_path / "c"), progress=False)
@@ -141,7 +146,6 @@ def test_workers_pin_memory_prefetch_match_single_process(tmp_path, tokenizer, w
 
 def test_chat_cache_to_packed_batches_end_to_end(tmp_path, tokenizer, write_jsonl):
     """Labels of a packed batch are exactly the assistant turns (+ turn end) of each conversation."""
-    from ftlib.data import FormatConfig
 
     recs = [{"messages": [{"role": "user", "content": f"why {'is the sky blue ' * (i % 3 + 1)}"},
                           {"role": "assistant", "content": "because of Rayleigh scattering" + " hi" * i}]}
@@ -220,3 +224,34 @@ def test_resume_fingerprints_the_lengths_in_order():
     TokenLoader(MemDocs(lengths.copy()), batch_size=2, pad_id=0, seq_len=40).load_state_dict(state)  # same data: fine
     with pytest.raises(ValueError, match="'lengths_sha256'"):
         TokenLoader(MemDocs(lengths[::-1].copy()), batch_size=2, pad_id=0, seq_len=40).load_state_dict(state)
+
+
+class _Docs:
+    def __init__(self, lengths):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+
+    def __getitem__(self, i):
+        n = int(self.lengths[i])
+        return np.full(n, i + 1), np.ones(n, np.uint8)
+
+
+@pytest.mark.parametrize("n", [21, 23, 25])
+def test_group_by_length_without_drop_last_keeps_ranks_in_step(n):
+    """Every rank must yield the same number of batches, none empty, the short step last."""
+    lengths = np.random.default_rng(0).integers(1, 50, size=n)
+    loaders = [TokenLoader(_Docs(lengths), batch_size=3, pad_id=0, packing=False, group_by_length=True,
+                           mega_batch_mult=2, drop_last=False, rank=r, world_size=4, seed=1) for r in range(4)]
+    counts = [len(list(L)) for L in loaders]
+    print("batches per rank:", counts)
+    assert len(set(counts)) == 1
+    for L in loaders:
+        steps = L.rank_steps(0)
+        assert all(len(s) >= 1 for s in steps) and all(len(s) == 3 for s in steps[:-1])
+
+
+def test_resume_refuses_reordered_documents():
+    a = _Docs([5, 9, 3, 7, 2, 8, 4, 6])
+    b = _Docs([9, 5, 3, 7, 2, 8, 4, 6])  # same count, same total tokens, two documents swapped
+    state = TokenLoader(a, batch_size=2, pad_id=0, packing=False).state_dict()
+    with pytest.raises(ValueError, match="loader state mismatch"):
+        TokenLoader(b, batch_size=2, pad_id=0, packing=False).load_state_dict(state)

@@ -104,8 +104,8 @@ def test_data_flag_weights_are_checked_with_one_line_naming_the_flag():
 def test_a_mixture_in_a_config_file(tmp_path, value):
     import json
 
-    from ftlib.data.cli import data_sources
-    from ftlib.train.cli import FlagParser, add_data_flags, parse_with_config
+    from ftlib.data.cli import FlagParser, data_sources
+    from ftlib.train.cli import add_data_flags, parse_with_config
 
     cfg = tmp_path / "run.json"
     cfg.write_text(json.dumps({"data": value}))

@@ -119,6 +119,13 @@ def test_text_kind(tokenizer):
      "'reward_chosen' must be a finite number"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "chosen": "a",
       "rejected": "b"}, "bad_field", "ends with an assistant turn"),
+    # the messages are checked by the SFT formatter's validator (check_messages), naming the field
+    ({"prompt": "hi", "chosen": [{"role": "assistant"}], "rejected": "b"}, "bad_field",
+     "field 'chosen': message 0 needs string 'role' and 'content'"),
+    ({"prompt": "hi", "chosen": "a", "rejected": [{"role": "assistant", "content": "b\ue001"}]}, "bad_field",
+     "field 'rejected': message 0 contains reserved code points U+E000..U+E005"),
+    ({"prompt": "hi", "chosen": [{"role": "assistant", "content": "", "tool_calls": [{"arguments": {}}]}],
+      "rejected": "b"}, "bad_field", "field 'chosen': message 0: 'tool_calls' must be a list of calls"),
 ])
 def test_bad_records_name_location_and_reason(tokenizer, record, reason, detail):
     with pytest.raises(DataError, match=f"pairs.jsonl:7: {reason}") as e:
@@ -226,9 +233,9 @@ def test_pair_cache_from_messages_files(tmp_path, tokenizer):
 
 
 def test_pair_files_go_through_the_one_reader_core(tmp_path, tokenizer):
-    """Pair data is read by ftlib.data.sources like SFT data: a leading BOM is stripped, a link
+    """Pair data is read by ftlib.data.readers like SFT data: a leading BOM is stripped, a link
     loop is read once, an over-long record is refused and counted, empty files are reported."""
-    from ftlib.data.sources import ReadLimits
+    from ftlib.data import ReadLimits
 
     d = tmp_path / "pairs"
     d.mkdir()

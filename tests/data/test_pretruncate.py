@@ -1,11 +1,17 @@
 """Cutting over-long text before tokenizing: the kept tokens are those of the whole text."""
 
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlib.data import FormatConfig, Formatter, SkipReport, pretruncate
+from ftlib.data import (
+    FormatConfig,
+    Formatter,
+    SkipReport,
+    pretruncate,
+)
 from ftlib.data.pairs import PairConfig, PairFormatter
 
 WORDS = ("hello world the quick brown fox jumps over lazy dog because of Rayleigh scattering "
@@ -95,3 +101,32 @@ def test_pair_text_cut_gives_the_tokens_of_the_whole_text(tokenizer, seed, max_l
         assert doc.input_ids.tolist() == ref.input_ids.tolist() and doc.loss_mask.tolist() == ref.loss_mask.tolist()
         assert doc.extra == ref.extra and doc.truncated == ref.truncated
     assert stats.get("n_cut_before_tokenizing", 0) == sum(len(v) > bound for v in rec.values())
+
+
+def test_long_text_is_cut_before_tokenizing(tmp_path, tokenizer):
+    """A record far longer than max_length was tokenized whole before truncation (2.2 GB, 37 s for
+    10 MB). Now the tokenizer sees a bounded prefix, the kept tokens are those of the whole text,
+    and the cut is counted."""
+    words = "hello world the quick brown fox jumps over the lazy dog".split()
+    rng = np.random.default_rng(0)
+    text = " ".join(rng.choice(words, 200_000))  # ~1 MB
+    seen = []
+
+    class Spy:  # the tokenizer, recording the longest text it was asked to encode
+        def __init__(self, tok):
+            self.tok = tok
+
+        def encode(self, s, **kw):
+            seen.append(len(s))
+            return self.tok.encode(s, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+    cfg = FormatConfig(kind="text", eos_token="</s>", max_length=64, truncation="right")
+    fmt = Formatter(Spy(tokenizer), cfg)
+    doc = fmt({"text": text}, "big.jsonl:1", SkipReport())
+    assert max(seen) <= (64 + 64) * 32 < len(text)
+    assert doc.input_ids.tolist() == tokenizer.encode(text, add_special_tokens=False).ids[:64]
+    assert doc.truncated and fmt.stats["n_cut_before_tokenizing"] == 1
+    assert fmt.stats["n_cut_chars"] == len(text) - (64 + 64) * 32

@@ -4,7 +4,11 @@ import json
 
 import pytest
 
-from ftlib.data import BUILTIN_TEMPLATES, FormatConfig, SkipReport
+from ftlib.data import (
+    BUILTIN_TEMPLATES,
+    FormatConfig,
+    SkipReport,
+)
 from ftlib.data.sharegpt import chat_turns
 from ftlib.data.templates import NoChatTemplate, read_template_file, resolve_chat_template
 
@@ -73,3 +77,16 @@ def test_sharegpt_record_formats_like_its_messages_twin(tokenizer):
     report = SkipReport(strict=False)
     assert fmt({"conversations": [{"from": "robot", "value": "?"}]}, "x:3", report) is None
     assert report.counts == {"bad_field": 1} and "x:3" in report.examples["bad_field"][0]
+
+
+def test_the_template_names_scripts_import_are_public_at_ftlib_data():
+    import ftlib.data
+    from ftlib.data import sharegpt, templates
+
+    for name, mod in (("ChatTemplate", templates), ("resolve_chat_template", templates), ("chat_turns", sharegpt)):
+        assert name in ftlib.data.__all__ and getattr(ftlib.data, name) is getattr(mod, name), name
+
+
+def test_misspelled_builtin_template_name_is_refused():
+    with pytest.raises(ValueError, match=r"'chatlm' is neither a built-in name.*did you mean 'chatml'"):
+        FormatConfig(kind="chat", chat_template="chatlm")

@@ -21,13 +21,13 @@ from _dist_common import ACCUM, SAVE_AT, STEPS, build, full_value, has_lora, par
 from safetensors.torch import save_file
 
 from ftlib._dist import all_gather_json
+from ftlib.checkpoint import load_checkpoint
 from ftlib.distributed import (
     ShardedCheckpointer,
     device_mesh,
     export_adapter,
     export_merged,
     init_distributed,
-    load_sharded_checkpoint,
     save_sharded_checkpoint,
     shard_model,
     wrap_ddp,
@@ -121,7 +121,7 @@ def run_case(case: str, out: Path, rank: int) -> None:
     # resume from the checkpoint in a fresh model: the same continuation, bit for bit
     module2 = shard_model(build(case))
     opt2, sched2, clip2, loader2 = parts(case, module2, rank, 2)
-    info = load_sharded_checkpoint(out / "ckpt", model=module2, optimizer=opt2, scheduler=sched2, clipper=clip2,
+    info = load_checkpoint(out / "ckpt", model=module2, optimizer=opt2, scheduler=sched2, clipper=clip2,
                                    loader=loader2)
     assert info.step == SAVE_AT and info.extra == {"tag": case}, info
     resumed = train(module2, opt2, sched2, clip2, loader2, start=SAVE_AT)
@@ -172,7 +172,7 @@ def run_variant(name: str, out: Path, rank: int) -> None:
         module2 = (shard_model(module2, mesh=device_mesh(replicate=2)) if name == "hsdp" else wrap_ddp(module2))
         inner2 = module2.module if name == "ddp" else module2
         opt2, sched2, clip2, loader2 = parts("lora", inner2, rank, 2)
-        load_sharded_checkpoint(out / "ckpt", model=module2, optimizer=opt2, scheduler=sched2, clipper=clip2,
+        load_checkpoint(out / "ckpt", model=module2, optimizer=opt2, scheduler=sched2, clipper=clip2,
                                 loader=loader2)
         resumed = train(module2, opt2, sched2, clip2, loader2, start=SAVE_AT)
         assert [r["loss"] for r in resumed] == [r["loss"] for r in records[SAVE_AT:]], (name, resumed, records)
@@ -197,7 +197,7 @@ def run_gpu(out: Path, env) -> None:
     ckpt.close()
     module2 = shard_model(build("lora").to(env.device), mixed_precision="bf16")
     opt2, sched2, clip2, loader2 = parts("lora", module2, env.rank, env.world_size)
-    load_sharded_checkpoint(out / "ckpt", model=module2, optimizer=opt2, scheduler=sched2, clipper=clip2,
+    load_checkpoint(out / "ckpt", model=module2, optimizer=opt2, scheduler=sched2, clipper=clip2,
                             loader=loader2)
     resumed = train(module2, opt2, sched2, clip2, loader2, start=SAVE_AT, device=env.device)
     for a, b in zip(resumed, records[SAVE_AT:]):

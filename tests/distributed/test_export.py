@@ -14,8 +14,7 @@ from _dist_common import CFG, SAVE_AT, build
 from conftest import reference
 from safetensors.torch import load_file
 
-from ftlib.checkpoint import CheckpointWarning, step_dir_name
-from ftlib.distributed import load_sharded_checkpoint
+from ftlib.checkpoint import CheckpointWarning, load_checkpoint, step_dir_name
 from ftlib.lora import load_adapter, merge_and_unload, save_adapter
 from ftlib.models import LlamaConfig, LlamaForCausalLM, load_pretrained, save_pretrained
 
@@ -62,7 +61,7 @@ def test_exported_adapter_loads_in_peft(two_ranks, tmp_path):
 def test_exported_merged_model_is_the_one_process_merge(two_ranks, case, tmp_path):
     module = build(case)
     with pytest.warns(CheckpointWarning):
-        load_sharded_checkpoint(two_ranks / case / "ckpt" / step_dir_name(SAVE_AT), model=module)
+        load_checkpoint(two_ranks / case / "ckpt" / step_dir_name(SAVE_AT), model=module)
     with torch.no_grad():
         adapted = module.model.eval()(IDS)
     merged = merge_and_unload(module.model, dtype=torch.float32) if case == "qlora" else module.model

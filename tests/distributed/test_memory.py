@@ -155,7 +155,7 @@ def test_cli_prints_the_table_and_json(llama3_8b):
 
 def test_cli_refuses_bad_input(tmp_path, llama3_8b):
     r = _cli("--model", str(tmp_path / "nothing"))
-    assert r.returncode == 2 and "no config.json" in r.stderr
+    assert r.returncode == 2 and "not a directory" in r.stderr and "presets llama-3-70b" in r.stderr
     (tmp_path / "bad.json").write_text("{")
     r = _cli("--model", str(tmp_path / "bad.json"))
     assert r.returncode == 2 and "invalid JSON at line 1" in r.stderr

@@ -25,7 +25,7 @@ from ftlib.checkpoint import (
     step_dir_name,
     verify_checkpoint,
 )
-from ftlib.distributed import ShardedCheckpointer, load_sharded_checkpoint, save_sharded_checkpoint
+from ftlib.distributed import ShardedCheckpointer, save_sharded_checkpoint
 from ftlib.distributed.checkpoint import SHARDS
 from ftlib.lora import save_adapter
 
@@ -55,7 +55,7 @@ def test_two_rank_checkpoint_layout_and_exact_resume(two_ranks, case):
 def _resume_here(root, case, **kw):
     module = build(case)
     opt, sched, clip, loader = parts(case, module, rank=0, world=1)
-    info = load_sharded_checkpoint(root, model=module, optimizer=opt, scheduler=sched, clipper=clip, loader=loader,
+    info = load_checkpoint(root, model=module, optimizer=opt, scheduler=sched, clipper=clip, loader=loader,
                                    **kw)
     return module, info, train(module, opt, sched, clip, loader, start=info.step)
 
@@ -85,7 +85,7 @@ def test_adapter_in_a_sharded_checkpoint_is_the_one_process_adapter(two_ranks, c
     path = two_ranks / case / "ckpt" / STEP
     module = build(case)
     with pytest.warns(CheckpointWarning):
-        load_sharded_checkpoint(path, model=module)
+        load_checkpoint(path, model=module)
     save_adapter(module.model, tmp_path)
     got, want = load_file(path / "adapter_model.safetensors"), load_file(tmp_path / "adapter_model.safetensors")
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
@@ -130,7 +130,7 @@ def test_background_save_snapshots_before_returning(tmp_path):
             for p in module.parameters():
                 p.add_(1000.0)
     fresh = build("full")
-    load_sharded_checkpoint(tmp_path, model=fresh, rng=False)
+    load_checkpoint(tmp_path, model=fresh, rng=False)
     got = saved_weights(fresh)
     assert all(torch.equal(got[k], want[k]) for k in want)
 
@@ -159,23 +159,23 @@ def test_what_does_not_fit_is_named(tmp_path):
     saved = build("lora")
     save_sharded_checkpoint(tmp_path / "lora", 1, model=saved, optimizer=parts("lora", saved, 0, 1)[0])
     with pytest.raises(CheckpointError, match="holds adapter weights, the model is a full fine-tuning model"):
-        load_sharded_checkpoint(tmp_path / "lora", model=build("full"), rng=False)
+        load_checkpoint(tmp_path / "lora", model=build("full"), rng=False)
     other = build("full")
     from ftlib.lora import LoRAConfig, apply_lora
 
     apply_lora(other.model, LoRAConfig(r=5, alpha=8, target_modules="all-linear"), verbose=False)
     with pytest.raises(CheckpointError, match=r"lora_A.weight has shape \[3, 32\] in the checkpoint, \[5, 32\] here"):
-        load_sharded_checkpoint(tmp_path / "lora", model=other, rng=False)
+        load_checkpoint(tmp_path / "lora", model=other, rng=False)
     # one load_checkpoint reads either kind: the sharded checkpoint in one process (it used to refuse it)
     assert load_checkpoint(tmp_path / "lora", model=build("lora"), rng=False).step == 1
     module = build("lora")
     opt, sched, clip, loader = parts("lora", module, 0, 1)
     with pytest.raises(CheckpointError, match="no clipper state was saved"):
-        load_sharded_checkpoint(tmp_path / "lora", model=module, clipper=clip, rng=False)
+        load_checkpoint(tmp_path / "lora", model=module, clipper=clip, rng=False)
     # and a one-process checkpoint through the distributed name (the same function; it used to refuse it)
     with Checkpointer(tmp_path / "single", background=False) as ck:
         ck.save(1, model=module.model)
-    assert load_sharded_checkpoint(tmp_path / "single", model=module.model).step == 1
+    assert load_checkpoint(tmp_path / "single", model=module.model).step == 1
 
 
 def test_loader_position_needs_the_same_global_batch(tmp_path):
@@ -188,14 +188,14 @@ def test_loader_position_needs_the_same_global_batch(tmp_path):
     from ftlib.data import TokenLoader
 
     same = TokenLoader(Docs(), batch_size=2, pad_id=0, seq_len=16, seed=3, rank=1, world_size=2)
-    load_sharded_checkpoint(tmp_path, loader=same, rng=False)  # 4 x 1 == 2 x 2: the same global steps
+    load_checkpoint(tmp_path, loader=same, rng=False)  # 4 x 1 == 2 x 2: the same global steps
     assert same.step == 1 and same.rank == 1
     other = TokenLoader(Docs(), batch_size=3, pad_id=0, seq_len=16, seed=3)
     with pytest.raises(CheckpointError, match="exact resume on another world size needs the same global batch"):
-        load_sharded_checkpoint(tmp_path, loader=other, rng=False)
+        load_checkpoint(tmp_path, loader=other, rng=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same world size: RNG restored without a warning
-        load_sharded_checkpoint(tmp_path, loader=parts("lora", module, 0, 1)[3])
+        load_checkpoint(tmp_path, loader=parts("lora", module, 0, 1)[3])
 
 
 def _fp16_fell_back(module):
@@ -213,8 +213,7 @@ def _fp16_fell_back(module):
     return opt
 
 
-@pytest.mark.parametrize("loader", ["load_checkpoint", "load_sharded_checkpoint"])
-def test_a_run_whose_fp16_fell_back_resumes_from_a_sharded_checkpoint(tmp_path, loader):
+def test_a_run_whose_fp16_fell_back_resumes_from_a_sharded_checkpoint(tmp_path):
     """Issue 20, bug 2: the sharded path restores the TrainOptimizer through its own load_state_dict."""
     module = build("lora")
     opt = _fp16_fell_back(module)
@@ -225,8 +224,7 @@ def test_a_run_whose_fp16_fell_back_resumes_from_a_sharded_checkpoint(tmp_path, 
 
     opt2 = TrainOptimizer(make_adamw(param_groups(fresh.model, lr=1e-2), lr=1e-2), precision="fp16", fallback="fp32",
                           fallback_after=1, fallback_window=4)
-    load = load_checkpoint if loader == "load_checkpoint" else load_sharded_checkpoint
-    load(tmp_path, model=fresh, optimizer=opt2, rng=False)
+    load_checkpoint(tmp_path, model=fresh, optimizer=opt2, rng=False)
     assert (opt2.precision, opt2.fell_back_at, opt2.scaler, opt2.steps, opt2.skipped_steps) == ("fp32", 1, None, 1, 1)
     assert opt2.state_dict()["fallback"] == opt.state_dict()["fallback"]
     want, got = opt.optimizer.state_dict()["state"], opt2.optimizer.state_dict()["state"]

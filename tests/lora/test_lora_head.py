@@ -12,9 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftlib.evaluation import causal_lm_loss
 from ftlib.lora import LoRAConfig, LoRALinear, apply_lora
-from ftlib.losses import head_weight
+from ftlib.losses import causal_lm_loss, head_weight
 from ftlib.models import LlamaConfig, LlamaForCausalLM
 from ftlib.preference import sequence_logprobs
 

@@ -152,8 +152,18 @@ def test_unknown_model_type_names_config_file(make_model, tmp_path):
     with pytest.raises(ValueError, match=r"config.json: model_type 'gpt_neox' is not supported"):
         load_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="config.json: invalid JSON"):
+    with pytest.raises(ValueError, match="config.json: invalid JSON at line 1 column 2"):
         load_config(tmp_path)
+
+
+def test_load_config_reads_the_file_or_its_folder(make_model, tmp_path):
+    """One config reader: a config.json given itself or by its folder is the same config."""
+    save_pretrained(make_model(), tmp_path)
+    (tmp_path / "config.json").rename(tmp_path / "other.json")
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        load_config(tmp_path)
+    (tmp_path / "other.json").rename(tmp_path / "config.json")
+    assert load_config(tmp_path / "config.json") == load_config(tmp_path) == make_model().config
 
 
 def test_hub_repo_id_from_cache(make_model, tmp_path, monkeypatch):

@@ -6,8 +6,9 @@ import jinja2
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import ftlib.models
 from ftlib.data import render_chat
-from ftlib.models import load_tokenizer, render_chat_template
+from ftlib.models import load_tokenizer
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -91,15 +92,13 @@ MSGS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel
 
 
 def test_one_chat_renderer_for_models_and_data(tmp_path):
-    """models.render_chat_template("chatml", ...) returned the string 'chatml' and passed a misspelled
-    name through, while data.render_chat rendered it and refused the misspelling: now every spelling is
-    the one renderer (render_chat_template deprecated, messages-first render_chat its replacement)."""
+    """A built-in name renders, a misspelled one is refused, and a tokenizer's own template renders
+    through the same ``render_chat`` (``ftlib.models`` has no renderer of its own)."""
     want = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
     assert render_chat(MSGS, "chatml") == want
-    with pytest.warns(DeprecationWarning, match=r"use ftlib.data.render_chat\(messages, template\)"):
-        assert render_chat_template("chatml", MSGS) == want
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="did you mean 'chatml'"):
-        render_chat_template("chatmll", MSGS)
+    with pytest.raises(ValueError, match="did you mean 'chatml'"):
+        render_chat(MSGS, "chatmll")
+    assert not hasattr(ftlib.models, "render_chat_template")
     _write_tokenizer(tmp_path, config={"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE})
     t = load_tokenizer(tmp_path)
     assert t.apply_chat_template(MSGS, add_generation_prompt=True) == render_chat(

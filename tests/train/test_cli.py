@@ -33,9 +33,9 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-# ---- item 1: --lenient, and a cache of the data CLI as --data ------------------------------------
+# ---- --lenient, and a cache of the data CLI as --data ------------------------------------
 
-def test_item1_strict_stops_lenient_skips_reports_and_data_cli_cache_is_read(user, tmp_path):
+def test_strict_stops_lenient_skips_reports_and_data_cli_cache_is_read(user, tmp_path):
     r = train("--model", user["model"], "--data", user["train"], "--out", tmp_path / "strict")
     one_line_error(r, "train.jsonl:6", "--lenient")
 
@@ -70,7 +70,7 @@ def test_item1_strict_stops_lenient_skips_reports_and_data_cli_cache_is_read(use
     one_line_error(r, "another tokenizer", "ftlib.data build --tokenizer")
 
 
-# ---- items 1, 5, 6: a config file; lenient run; --max-steps over epochs; a rerun from run.json ------
+# ---- a config file; lenient run; --max-steps over epochs; a rerun from run.json ------
 
 @pytest.fixture(scope="module")
 def config_runs(user, tmp_path_factory):
@@ -85,7 +85,7 @@ def config_runs(user, tmp_path_factory):
     return a, ra, b, rb
 
 
-def test_item1_lenient_run_prints_and_saves_every_skip(config_runs):
+def test_lenient_run_prints_and_saves_every_skip(config_runs):
     a, ra, _, _ = config_runs
     assert ra.returncode == 0, ra.stderr[-3000:]
     assert f"--data: {N_BAD} records skipped" in ra.stdout
@@ -95,7 +95,7 @@ def test_item1_lenient_run_prints_and_saves_every_skip(config_runs):
     assert saved["counts"] == {"malformed_json": 1, "missing_field": 1, "bad_field": 1}
 
 
-def test_item7_log_lines_read_cleanly(config_runs):
+def test_log_lines_read_cleanly(config_runs):
     _, ra, _, _ = config_runs
     assert "trainable params: 1,024 / " in ra.stdout and "trainable params: trainable params" not in ra.stdout
     assert "PackStats(" not in ra.stdout and "packing: 18 rows of 64 tokens, " in ra.stdout
@@ -108,7 +108,7 @@ def test_item7_log_lines_read_cleanly(config_runs):
     assert "no progress bar" not in help_text and "a terminal gets a progress bar" in help_text
 
 
-def test_item5_max_steps_overrides_epochs(config_runs):
+def test_max_steps_overrides_epochs(config_runs):
     a, ra, _, _ = config_runs
     steps = [r["step"] for r in metrics(a) if "kind" not in r]
     assert steps == list(range(1, 13))  # 9 steps per epoch, --epochs 1: --max-steps 12 still runs 12
@@ -116,7 +116,7 @@ def test_item5_max_steps_overrides_epochs(config_runs):
     assert max(r["epoch"] for r in metrics(a) if "kind" not in r) == 1
 
 
-def test_item6_config_file_and_rerun_from_run_json_reproduce_the_run(config_runs):
+def test_config_file_and_rerun_from_run_json_reproduce_the_run(config_runs):
     a, ra, b, rb = config_runs
     assert rb.returncode == 0, rb.stderr[-3000:]
     run_a, run_b = (json.loads((d / "run.json").read_text()) for d in (a, b))
@@ -129,7 +129,7 @@ def test_item6_config_file_and_rerun_from_run_json_reproduce_the_run(config_runs
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
 
 
-def test_item6_config_errors_name_the_key(tmp_path, capsys):
+def test_config_errors_name_the_key(tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({"model": "m", "learning_rate": 1.0}))
     sys.path.insert(0, str(SCRIPT.parent))
     try:
@@ -142,9 +142,9 @@ def test_item6_config_errors_name_the_key(tmp_path, capsys):
     assert "learning_rate is not a flag" in capsys.readouterr().err
 
 
-# ---- item 2: chat templates ------------------------------------------------------------------------
+# ---- chat templates ------------------------------------------------------------------------
 
-def test_item2_no_template_is_refused_and_the_one_used_is_saved_everywhere(user, tmp_path):
+def test_no_template_is_refused_and_the_one_used_is_saved_everywhere(user, tmp_path):
     r = train("--model", user["bare"], "--data", user["train"], "--lenient", "--out", tmp_path / "none")
     one_line_error(r, "has no chat template", "--chat-template")
 
@@ -178,9 +178,9 @@ def test_item2_no_template_is_refused_and_the_one_used_is_saved_everywhere(user,
     one_line_error(r, "has no chat template", "--chat-template")
 
 
-# ---- items 3 + 4: one vocabulary, one-line errors ----------------------------------------------------
+# ---- one vocabulary, one-line errors ----------------------------------------------------
 
-def test_item3_4_same_flags_same_defaults_and_flag_errors(user, tmp_path):
+def test_same_flags_same_defaults_and_flag_errors(user, tmp_path):
     r = run_cli("-m", "ftlib.data", "build", "--source", user["train"], "--tokenizer", user["model"] / "tokenizer.json",
                 "--out", tmp_path / "c", "--kind", "text", "--eos-token", "<nope>", "--num-proc", "1")
     line = one_line_error(r, "--eos-token", "not in the tokenizer vocabulary")
@@ -217,15 +217,15 @@ def test_item3_4_same_flags_same_defaults_and_flag_errors(user, tmp_path):
     assert shared["kind"][1] == "chat"
 
 
-# ---- item 5: --eval-generate needs records; the overlap check; items 6: early stop, samples, loggers --
+# ---- --eval-generate needs records; the overlap check; early stop, samples, loggers --
 
-def test_item5_eval_generate_with_eval_split_is_refused(user, tmp_path):
+def test_eval_generate_with_eval_split_is_refused(user, tmp_path):
     r = train("--model", user["model"], "--data", user["train"], "--lenient", "--eval-split", "0.2",
               "--eval-generate", "4", "--out", tmp_path / "o")
     one_line_error(r, "--eval-generate", "--eval-split holds out token documents", "--eval-data")
 
 
-def test_item5_6_overlap_early_stop_samples_step0_eval_and_tensorboard(user, tmp_path):
+def test_overlap_early_stop_samples_step0_eval_and_tensorboard(user, tmp_path):
     out = tmp_path / "run"
     r = train("--model", user["model"], "--data", user["train"], "--lenient", "--eval-data", user["eval"],
               "--eval-every", "1", "--early-stop", "1", "--early-stop-delta", "100", "--sample-every", "1",
@@ -255,14 +255,14 @@ def test_item5_6_overlap_early_stop_samples_step0_eval_and_tensorboard(user, tmp
     assert "stopped early at step 2" in r.stdout
 
 
-def test_item6_sharegpt_records_are_read_as_chat(user, tmp_path):
+def test_sharegpt_records_are_read_as_chat(user, tmp_path):
     r = run_cli("-m", "ftlib.data", "build", "--source", user["sharegpt"], "--tokenizer", user["model"], "--out",
                 tmp_path / "c", "--num-proc", "1", "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "cache " in r.stdout and ": 24 documents" in r.stdout and "no records skipped" in r.stdout
 
 
-def test_item6_wandb_offline_or_a_clean_refusal(user, tmp_path, monkeypatch):
+def test_wandb_offline_or_a_clean_refusal(user, tmp_path, monkeypatch):
     import importlib.util
 
     if importlib.util.find_spec("wandb") is None:
@@ -278,7 +278,7 @@ def test_item6_wandb_offline_or_a_clean_refusal(user, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_item6_compile_trains_as_eager(user, tmp_path):
+def test_compile_trains_as_eager(user, tmp_path):
     """--compile (minutes of compilation on a small CPU): the same losses as the eager run, to float tolerance."""
     runs = {}
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
@@ -289,7 +289,7 @@ def test_item6_compile_trains_as_eager(user, tmp_path):
     assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-4)
 
 
-# ---- issue 34, items 6 and 9: settings that parse but cannot train, refused before training -----------
+# ---- settings that parse but cannot train, refused before training -----------
 
 def _five(user, tmp_path) -> Path:
     good = [ln for ln in user["train"].read_text().splitlines() if '"assistant"' in ln][:5]
@@ -305,7 +305,7 @@ def _five(user, tmp_path) -> Path:
     (["--seq-len", "1"], ["--seq-len 1", "carries loss", "raise --seq-len"]),
     (["--precision", "fp16"], ["--precision fp16 needs a CUDA GPU", "--precision fp32"]),
 ])
-def test_item9_6_bad_numbers_and_impossible_settings_are_one_line_flag_errors_before_training(user, tmp_path, flags,
+def test_bad_numbers_and_impossible_settings_are_one_line_flag_errors_before_training(user, tmp_path, flags,
                                                                                                needles):
     if flags[0] == "--precision":
         import torch
@@ -322,14 +322,14 @@ def test_item9_6_bad_numbers_and_impossible_settings_are_one_line_flag_errors_be
     ({"batch_size": 2.5}, ["batch_size=2.5", "--batch-size expected a whole number"]),
     ({"grad_accum": [2]}, ["grad_accum=[2]", "--grad-accum takes one value"]),
 ])
-def test_item9_config_values_are_checked_as_the_flags_are(user, tmp_path, cfg, needles):
+def test_config_values_are_checked_as_the_flags_are(user, tmp_path, cfg, needles):
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     r = train("--model", user["model"], "--data", _five(user, tmp_path), "--config", tmp_path / "c.json",
               "--out", tmp_path / "o")
     one_line_error(r, "--config", *needles)
 
 
-def test_item6_early_stop_with_save_every_0_evaluates_and_can_stop(user, tmp_path):
+def test_early_stop_with_save_every_0_evaluates_and_can_stop(user, tmp_path):
     out = tmp_path / "run"
     r = train("--model", user["model"], "--data", user["train"], "--lenient", "--eval-split", "0.2", "--early-stop",
               "1", "--early-stop-delta", "100", "--save-every", "0", "--max-steps", "20", "--out", out)

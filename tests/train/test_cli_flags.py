@@ -5,10 +5,8 @@ import os
 
 import pytest
 
-from ftlib.data.cli import flag_message
+from ftlib.data.cli import FlagError, FlagParser, flag_message
 from ftlib.train import (
-    FlagError,
-    FlagParser,
     add_data_flags,
     add_eval_flags,
     add_loop_flags,
@@ -98,7 +96,7 @@ def test_output_flags_are_normalised_once_and_bad_values_are_one_line_errors(cap
         assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
-# ---- issue 34, item 9: config values go through the flags' own parsing -------------------------------
+# ---- config values go through the flags' own parsing -------------------------------
 
 @pytest.mark.parametrize("cfg, needle", [
     ({"batch_size": 2.5}, "batch_size=2.5: --batch-size expected a whole number, got '2.5'"),
@@ -163,3 +161,21 @@ def test_fp16_on_a_cpu_is_refused_and_the_defaults_are_per_device():
     assert pick_precision(None, torch.device("cpu")) == "fp32"
     assert pick_precision(None, torch.device("cuda")) == "bf16"
     assert pick_precision("fp16", torch.device("cuda")) == "fp16"
+
+
+@pytest.mark.parametrize("argv", [["--format", "text"], ["--format"]])
+def test_the_old_format_flag_is_an_error_naming_kind(capsys, argv):
+    """``--format`` was renamed ``--kind``: one line saying so, never read as the record kind."""
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(argv)
+    err = capsys.readouterr().err
+    want = "--format was renamed --kind: pass --kind" + (" text" if len(argv) == 2 else "")
+    assert e.value.code == 2 and want in err and err.count("\n") == 2
+    assert "--format" not in parser().format_help()  # not offered in --help
+
+
+def test_the_old_format_key_of_a_config_file_is_refused(tmp_path, capsys):
+    (tmp_path / "c.json").write_text(json.dumps({"format": "text"}))
+    with pytest.raises(SystemExit) as e:
+        parse_with_config(parser(), ["--config", str(tmp_path / "c.json")])
+    assert e.value.code == 2 and "format='text': --format was renamed --kind: write kind instead" in capsys.readouterr().err

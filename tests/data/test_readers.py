@@ -1,3 +1,5 @@
+"""ftlib.data.readers: every record format, its bounds and its reports."""
+
 import gzip
 import io
 import json
@@ -7,8 +9,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ftlib.data import DataError, SkipReport, iter_records, list_shards, shard_fingerprint
-from ftlib.data import sources as src
+from ftlib.data import (
+    DataError,
+    FormatConfig,
+    SkipReport,
+    build_cache,
+    iter_records,
+    list_shards,
+    readers,
+)
 
 
 def _texts(spec, strict=True):
@@ -20,6 +29,12 @@ def _add_member(tf, name, data: bytes):
     ti = tarfile.TarInfo(name)
     ti.size = len(data)
     tf.addfile(ti, io.BytesIO(data))
+
+
+def _bomb_tar(path, name, payload):
+    with tarfile.open(path, "w") as tf:
+        _add_member(tf, name, payload)
+        _add_member(tf, "z/after.jsonl", b'{"text": "after"}\n')
 
 
 def test_all_formats_in_a_directory(tmp_path, write_jsonl):
@@ -92,44 +107,6 @@ def test_report_keeps_first_locations_and_merges():
     assert rep.examples["empty_document"] == ["f:0: empty_document", "f:1: empty_document"]
 
 
-def test_missing_path_and_unsupported_file(tmp_path):
-    with pytest.raises(DataError, match="no such file"):
-        list_shards(str(tmp_path / "nope.jsonl"))
-    (tmp_path / "x.csv").write_text("a")
-    with pytest.raises(DataError, match="unsupported"):
-        list_shards(str(tmp_path / "x.csv"))
-
-
-def test_hub_dataset_resolves_through_snapshot_download(tmp_path, monkeypatch, write_jsonl):
-    local = tmp_path / "snap"
-    local.mkdir()
-    write_jsonl(local / "train.jsonl", [{"text": "from hub"}])
-    calls = []
-
-    def fake_snapshot_download(**kw):
-        calls.append(kw)
-        return str(local)
-
-    import huggingface_hub
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    assert _texts("hf://datasets/org/name@v1")[0] == ["from hub"]
-    assert calls[0]["repo_id"] == "org/name" and calls[0]["repo_type"] == "dataset"
-    assert calls[0]["revision"] == "v1" and "*.jsonl" in calls[0]["allow_patterns"]
-    assert src.resolve_hub_dataset("org/name") == str(local)
-
-
-def test_fingerprint_tracks_content_not_mtime(tmp_path):
-    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    big = b"x" * (5 << 20)
-    a.write_bytes(big)
-    b.write_bytes(big)  # identical copy: same fingerprint although a different file
-    assert shard_fingerprint(str(a)) == shard_fingerprint(str(b))
-    b.write_bytes(big[:-1] + b"y")  # last byte changed: inside the sampled tail
-    assert shard_fingerprint(str(a)) != shard_fingerprint(str(b))
-    assert shard_fingerprint(str(a), full_hash=True).startswith("sha256:")
-
-
 def test_truncated_gzip_and_tar_links(tmp_path, write_jsonl):
     p = tmp_path / "t.jsonl.gz"
     with gzip.open(p, "wt") as f:
@@ -150,30 +127,6 @@ def test_truncated_gzip_and_tar_links(tmp_path, write_jsonl):
         tf.addfile(ti)
     texts, rep = _texts(str(t), strict=False)
     assert texts == [] and rep.unknown == {"unsafe_tar_member": 1}
-
-
-def test_hub_dataset_path_inside_the_repo_selects_a_split(tmp_path, monkeypatch, write_jsonl):
-    """hf://datasets/org/name@rev/<path or glob> reads (and fetches) only those files, e.g. the train split."""
-    local = tmp_path / "snap"
-    (local / "data").mkdir(parents=True)
-    write_jsonl(local / "data" / "train-0.jsonl", [{"text": "train"}])
-    write_jsonl(local / "data" / "test-0.jsonl", [{"text": "test"}])
-    calls = []
-
-    def fake_snapshot_download(**kw):
-        calls.append(kw)
-        return str(local)
-
-    import huggingface_hub
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    assert _texts("hf://datasets/org/name@v1/data/train-*.jsonl")[0] == ["train"]
-    assert calls[-1]["repo_id"] == "org/name" and calls[-1]["revision"] == "v1"
-    assert calls[-1]["allow_patterns"] == ["data/train-*.jsonl"]  # the test split is not even downloaded
-    assert sorted(_texts("hf://datasets/org/name/data")[0]) == ["test", "train"]
-    assert calls[-1]["revision"] is None and "data/*.jsonl" in calls[-1]["allow_patterns"]
-    with pytest.raises(DataError, match="no such file"):
-        list_shards("hf://datasets/org/name/valid-*.jsonl")
 
 
 def test_json_files_arrays_objects_and_lines(tmp_path):
@@ -261,26 +214,6 @@ def test_parquet_and_gzip_members_in_a_tar(tmp_path):
     assert rep.unknown == {"unreadable_file": 1} and "bad.jsonl.gz" in rep.examples["unreadable_file"][0]
 
 
-@pytest.mark.parametrize("spec,want", [
-    ("hf://datasets/org/name", ("org/name", None, None)),
-    ("hf://datasets/org/name@v1", ("org/name", "v1", None)),
-    ("hf://datasets/org/name@v1/data/train-*.parquet", ("org/name", "v1", "data/train-*.parquet")),
-    ("hf://datasets/org/name/data", ("org/name", None, "data")),
-    ("hf://datasets/org/name@refs/convert/parquet", ("org/name", "refs/convert/parquet", None)),
-    ("hf://datasets/org/name@refs/convert/parquet/default/train", ("org/name", "refs/convert/parquet", "default/train")),
-    ("hf://datasets/org/name@refs/pr/3/x.jsonl", ("org/name", "refs/pr/3", "x.jsonl")),
-    ("hf://datasets/org/name@feature%2Fx/data", ("org/name", "feature/x", "data")),
-])
-def test_hub_spec_parsing(spec, want):
-    assert src.parse_hub_spec(spec) == want
-    try:  # the same answer as huggingface_hub's own parser, where it has one
-        from huggingface_hub.utils import parse_hf_uri
-    except ImportError:
-        return
-    u = parse_hf_uri(spec)
-    assert (u.id, u.revision, u.path_in_repo or None) == want
-
-
 def test_report_counts_unknown_losses_apart():
     rep = SkipReport(strict=False)
     assert not rep and str(rep) == "no records skipped"
@@ -293,19 +226,13 @@ def test_report_counts_unknown_losses_apart():
     assert "unreadable_file: 100 + an unknown number (1 place)" in str(other)
 
 
-def _bomb_tar(path, name, payload):
-    with tarfile.open(path, "w") as tf:
-        _add_member(tf, name, payload)
-        _add_member(tf, "z/after.jsonl", b'{"text": "after"}\n')
-
-
 @pytest.mark.parametrize("case", ["txt", "txt.gz", "json", "json.gz", "tar txt", "tar json", "tar parquet",
                                   "tar jsonl", "wds txt.gz", "parquet row"])
 def test_every_reader_is_bounded(tmp_path, case):
     """No reader holds more than ReadLimits allows: a record over max_record_bytes is refused
     (record_too_large, 1 record), a whole-parsed document over max_file_bytes too (file_too_large,
     records unknown); gzip bombs stop at the bound. Everything after it is still read."""
-    lim = src.ReadLimits(max_record_bytes=4096, max_file_bytes=8192)
+    lim = readers.ReadLimits(max_record_bytes=4096, max_file_bytes=8192)
     big = b"x" * 20000
     recs = json.dumps([{"text": "x" * 100}] * 100).encode()
     p = tmp_path / "f"
@@ -342,3 +269,155 @@ def test_every_reader_is_bounded(tmp_path, case):
     assert f"ReadLimits.{bound}" in rep.examples[reason][0]
     # without the limit, the same file is read whole
     assert len([r for r, _ in iter_records(str(p), SkipReport(strict=False))]) >= 1
+
+
+def test_the_old_sources_module_warns_and_holds_the_same_objects():
+    import importlib
+    import sys
+
+    import ftlib.data
+
+    sys.modules.pop("ftlib.data.sources", None)
+    with pytest.warns(DeprecationWarning, match="ftlib.data.sources is deprecated: import from ftlib.data"):
+        old = importlib.import_module("ftlib.data.sources")
+    assert all(getattr(old, n) is getattr(ftlib.data, n) for n in old.__all__ if n != "item_nbytes")
+    assert old.item_nbytes is readers.item_nbytes
+
+
+TEXT = FormatConfig(kind="text", eos_token="</s>")
+
+
+def _member(tf, name, data: bytes):
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    tf.addfile(ti, io.BytesIO(data))
+
+
+def _cut_gzip(path, n=2000):
+    with gzip.open(path, "wt") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": f"doc {i} " + "hello world " * 5}) + "\n")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def test_tar_and_directory_data_files_are_read_or_reported(tmp_path):
+    """webdataset samples (key.json + key.txt), .json / .parquet / .txt.gz members and .json files in
+    a folder are data; anything else in a tar is reported, never skipped without a word."""
+    d = tmp_path / "d"
+    d.mkdir()
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": ["from parquet"]}), buf)
+    with tarfile.open(d / "wds.tar", "w") as tf:
+        _member(tf, "s/000.json", json.dumps({"source": "web"}).encode())
+        _member(tf, "s/000.txt", b"sample zero")
+        _member(tf, "s/001.json", json.dumps({"text": "sample one"}).encode())
+        _member(tf, "s/002.parquet", buf.getvalue())
+        _member(tf, "s/003.txt.gz", gzip.compress(b"gzipped member"))
+    (d / "arr.json").write_text(json.dumps([{"text": "json array 0"}, {"text": "json array 1"}]))
+    got = sorted(r["text"] for r, _ in iter_records(str(d)))
+    assert got == sorted(["sample zero", "sample one", "from parquet", "gzipped member", "json array 0",
+                          "json array 1"])
+    recs = [r for r, _ in iter_records(str(d / "wds.tar"))]
+    assert {"source": "web", "text": "sample zero"} in recs
+    with tarfile.open(d / "img.tar", "w") as tf:
+        _member(tf, "s/000.json", json.dumps({"text": "caption"}).encode())
+        _member(tf, "s/000.jpg", b"\xff\xd8 not text")
+    with pytest.raises(DataError, match=r"img\.tar!s/000\.jpg: unsupported_tar_member"):
+        list(iter_records(str(d / "img.tar")))
+    rep = SkipReport(strict=False)
+    list(iter_records(str(d / "img.tar"), rep))
+    assert rep and "unsupported_tar_member" in rep.examples
+
+
+def test_unreadable_file_counts_the_records_it_lost(tmp_path):
+    """A corrupt Parquet row group of 100 rows loses 100 records, not 1; a cut gzip loses an
+    unknown number, which must not be reported as 1."""
+    p = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": [f"row {i} " + "x" * 200 for i in range(300)]}), p, row_group_size=100)
+    col = pq.ParquetFile(p).metadata.row_group(1).column(0)
+    start = col.dictionary_page_offset or col.data_page_offset
+    data = bytearray(p.read_bytes())
+    data[start : start + 40] = b"\xff" * 40  # row group 1's first page header: garbage
+    p.write_bytes(bytes(data))
+    rep = SkipReport(strict=False)
+    texts = [r["text"] for r, _ in iter_records(str(p), rep)]
+    print("parquet:", rep)
+    assert len(texts) == 200 and rep.counts == {"unreadable_file": 100}
+    _cut_gzip(tmp_path / "g.jsonl.gz")
+    rep = SkipReport(strict=False)
+    list(iter_records(str(tmp_path / "g.jsonl.gz"), rep))
+    print("gzip:", rep)
+    assert rep.counts.get("unreadable_file") != 1 and "unknown" in str(rep)
+
+
+def test_empty_and_whitespace_files_are_reported(tmp_path, tokenizer, write_jsonl):
+    """Empty or whitespace-only data files were passed over without a word."""
+    d = tmp_path / "data"
+    d.mkdir()
+    write_jsonl(d / "a.jsonl", [{"text": "hello world"}])
+    (d / "b_empty.jsonl").write_bytes(b"")
+    (d / "c_blank.jsonl").write_text("\n   \n\t\n")
+    (d / "d_blank.txt").write_text("  \n")
+    (d / "e_empty.json").write_text("[]")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), d / "f_empty.parquet")
+    with tarfile.open(d / "g.tar", "w") as tf:
+        _member(tf, "x/h.jsonl", b"\n\n")
+    with pytest.raises(DataError, match=r"b_empty\.jsonl: empty_file: it holds no records"):
+        build_cache(str(d), tokenizer, TEXT, str(tmp_path / "strict"), progress=False)
+    cache = build_cache(str(d), tokenizer, TEXT, str(tmp_path / "lenient"), strict=False, progress=False)
+    assert len(cache) == 1
+    assert cache.report.notes == {"empty_file": 6} and cache.report.total == 0
+    text = str(cache.report)
+    assert "no records skipped" not in text and "empty_file: 6 (no records lost)" in text
+    assert "b_empty.jsonl: empty_file" in text  # the first 5 locations are kept as examples
+    rep = SkipReport(strict=False)
+    assert list(iter_records(str(d / "g.tar"), rep)) == []
+    assert rep.notes == {"empty_file": 1} and "g.tar!x/h.jsonl: empty_file" in str(rep)
+
+
+def test_a_line_over_the_record_bound_is_refused_and_counted(tmp_path):
+    """A 10 KB gzip expanding to one 10 MB line was read and tokenized whole. A line over
+    ReadLimits.max_record_bytes is read past (never held) and reported; the next line is read."""
+    from ftlib.data import ReadLimits
+
+    p = tmp_path / "big.jsonl.gz"
+    with gzip.open(p, "wt") as f:
+        f.write(json.dumps({"text": "x" * (3 << 20)}) + "\n" + json.dumps({"text": "after"}) + "\n")
+    limits = ReadLimits(max_record_bytes=1 << 20)
+    with pytest.raises(DataError, match=r"big\.jsonl\.gz:1: record_too_large: a line of 3145741 bytes is over "
+                                        r"ReadLimits\.max_record_bytes=1048576 \(1 MiB\)"):
+        list(iter_records(str(p), limits=limits))
+    rep = SkipReport(strict=False)
+    got = list(iter_records(str(p), rep, limits=limits))
+    assert [(r["text"], w.rsplit(":", 1)[1]) for r, w in got] == [("after", "2")]
+    assert rep.counts == {"record_too_large": 1}
+    assert [r["text"][:3] for r, _ in iter_records(str(p))] == ["xxx", "aft"]  # the default bound is 16 MiB
+
+
+def test_a_leading_bom_is_stripped_by_every_reader(tmp_path):
+    """The .json reader accepted a UTF-8 BOM, .jsonl refused it (and .txt kept it as text)."""
+    bom = b"\xef\xbb\xbf"
+    d = tmp_path / "d"
+    d.mkdir()
+    line = lambda t: json.dumps({"text": t}).encode() + b"\n"
+    (d / "a.jsonl").write_bytes(bom + line("jsonl"))
+    (d / "b.jsonl.gz").write_bytes(gzip.compress(bom + line("jsonl.gz")))
+    (d / "c.json").write_bytes(bom + json.dumps([{"text": "json"}]).encode())
+    (d / "d.txt").write_bytes(bom + b"txt")
+    (d / "e.txt.gz").write_bytes(gzip.compress(bom + b"txt.gz"))
+    with tarfile.open(d / "f.tar", "w") as tf:
+        _member(tf, "m/lines.jsonl", bom + line("tar jsonl"))
+        _member(tf, "m/one.json", bom + json.dumps({"text": "tar json"}).encode())
+        _member(tf, "m/two.txt", bom + b"tar txt")
+        _member(tf, "s/000.json", bom + json.dumps({"source": "wds"}).encode())
+        _member(tf, "s/000.txt", bom + b"wds txt")
+        _member(tf, "s/001.json", bom + json.dumps({"source": "wds gz"}).encode())
+        _member(tf, "s/001.txt.gz", gzip.compress(bom + b"wds txt.gz"))
+    got = [r["text"] for r, _ in iter_records(str(d))]  # strict: any refusal raises
+    assert sorted(got) == sorted(["jsonl", "jsonl.gz", "json", "txt", "txt.gz", "tar jsonl", "tar json", "tar txt",
+                                  "wds txt", "wds txt.gz"])
+    # a BOM anywhere but the start is content: in JSON outside a string it is malformed
+    (d / "a.jsonl").write_bytes(line("one") + bom + line("two"))
+    with pytest.raises(DataError, match=r"a\.jsonl:2: malformed_json"):
+        list(iter_records(str(d / "a.jsonl")))
