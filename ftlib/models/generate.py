@@ -1,4 +1,4 @@
-"""KV-cache decoding for evaluation and demos: greedy, temperature, top-k, top-p, stop tokens.
+"""KV-cache decoding for evaluation and demos: greedy, temperature, top-k, top-p, stop tokens and strings.
 
 The cache lives outside the model. ``KVCache`` preallocates, per layer, keys and
 values [B, max_len, Hkv, D] plus a key mask [B, max_len] (False for padded
@@ -6,6 +6,14 @@ prompt slots and slots not written yet). A forward with ``kv_cache=`` writes the
 T new keys/values at ``cache.length`` and attends over slots [0, length + T)
 with bottom-right causal alignment, so query i of the step sees every earlier
 slot and itself; then ``length += T``.
+
+Sliding-window layers (window W < max_len) keep a ring of W slots instead: slot s
+lives at ring index s mod W. A query at slot s sees slots s - W + 1 .. s only, so a
+single decoded token attends over the ring once its own key is written (the ring
+is its window; attention does not depend on the keys' order), and a chunk of T
+tokens over the ring's last min(s, W - 1) slots in time order followed by the
+chunk itself, with the window mask. RoPE is applied before caching, so a ring slot
+keeps its absolute position. The ring's memory is W / max_len of a full buffer.
 
 Positions: each row counts its real tokens (``next_position`` [B]), so a
 left-padded prompt gets positions 0, 1, ... on its first real token, exactly
@@ -28,7 +36,7 @@ the caller set it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -38,26 +46,47 @@ __all__ = ["KVCache", "generate", "sample_next"]
 
 
 class KVCache:
-    """Preallocated per-layer key/value buffers [B, max_len, Hkv, D] and a key mask [B, max_len]."""
+    """Per-layer key/value buffers and a key mask [B, max_len] (see the module docstring).
+
+    ``windows`` (one entry per layer, None = full attention; ``for_model`` reads the config's
+    ``layer_window``): a layer with window W < max_len keeps a ring of W slots [B, W, Hkv, D],
+    every other layer max_len slots [B, max_len, Hkv, D].
+    """
 
     def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 *, dtype: torch.dtype = torch.float32, device=None):
-        shape = (batch_size, max_len, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.key_mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+                 *, windows: Sequence[int | None] | None = None, dtype: torch.dtype = torch.float32, device=None):
+        windows = [None] * num_layers if windows is None else list(windows)
+        if len(windows) != num_layers:
+            raise ValueError(f"KVCache: windows has {len(windows)} entries for {num_layers} layers")
+        for i, w in enumerate(windows):
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+                raise ValueError(f"KVCache: windows[{i}] must be a positive int or None, got {w!r}")
+        # a window as long as the cache never wraps: that layer is a plain buffer
+        self.ring = [w if w is not None and w < max_len else None for w in windows]  # ring size per layer
+        sizes = [max_len if r is None else r for r in self.ring]
+        self.k = [torch.zeros(batch_size, n, num_kv_heads, head_dim, dtype=dtype, device=device) for n in sizes]
+        self.v = [torch.zeros(batch_size, n, num_kv_heads, head_dim, dtype=dtype, device=device) for n in sizes]
+        self.key_mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # per slot, all layers
         self.next_position = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self.batch_size, self.max_len = batch_size, max_len
         self.length = 0  # slots written by completed forwards
         self._pending: torch.Tensor | None = None  # real tokens per row in the forward under way
+        self._ring_masks: dict[int, torch.Tensor] = {}  # ring size -> key mask of its slots, this forward
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_len: int, *, dtype=None, device=None) -> KVCache:
-        """A cache shaped for ``model`` (a LlamaForCausalLM), in its parameters' dtype and device."""
+        """A cache shaped for ``model`` (a LlamaForCausalLM), in its parameters' dtype and device;
+        its sliding-window layers get rings of their window."""
         cfg = model.config
         p = next(model.parameters())
+        windows = [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
         return cls(cfg.num_hidden_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                   dtype=dtype or p.dtype, device=device or p.device)
+                   windows=windows, dtype=dtype or p.dtype, device=device or p.device)
+
+    def nbytes(self, layer: int | None = None) -> int:
+        """Bytes of the key and value buffers of ``layer`` (default: all layers)."""
+        layers = range(len(self.k)) if layer is None else [layer]
+        return sum(t.numel() * t.element_size() for i in layers for t in (self.k[i], self.v[i]))
 
     def reset(self) -> None:
         """Forget everything written (buffers are kept for reuse)."""
@@ -81,17 +110,53 @@ class KVCache:
                 )
             mask = attention_mask.bool()
         self.key_mask[:, self.length:end] = mask
+        self._ring_masks = {}
         counts = mask.long().cumsum(-1)  # (B, t)
         positions = (self.next_position[:, None] + counts - 1).clamp(min=0)
         self._pending = counts[:, -1]
         return positions
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Write k/v [B, t, Hkv, D] at the cache position; return keys, values, mask over slots [0, length+t)."""
-        end = self.length + k.shape[1]
-        self.k[layer][:, self.length:end] = k
-        self.v[layer][:, self.length:end] = v
-        return self.k[layer][:, :end], self.v[layer][:, :end], self.key_mask[:, :end]
+        """Write k/v [B, t, Hkv, D] of the slots [length, length+t); return keys, values [B, L, Hkv, D] and
+        their mask [B, L] such that causal bottom-right attention with the layer's window over them is
+        the attention over every slot so far.
+
+        Full layers: the slots [0, length+t). Ring layers (ring size W, slot s at index s mod W): for a
+        single token, the ring after the write (the slots length+1-W .. length: exactly its window, in
+        ring order); for a chunk, the last min(length, W - 1) slots in time order followed by the chunk
+        (window + chunk), then the chunk's last min(t, W) slots are written.
+        """
+        start, t = self.length, k.shape[1]
+        end = start + t
+        w = self.ring[layer]
+        if w is None:
+            self.k[layer][:, start:end] = k
+            self.v[layer][:, start:end] = v
+            return self.k[layer][:, :end], self.v[layer][:, :end], self.key_mask[:, :end]
+        if t == 1:  # decoding: the ring is the window; order does not matter to attention
+            self.k[layer][:, start % w] = k[:, 0]
+            self.v[layer][:, start % w] = v[:, 0]
+            return self.k[layer], self.v[layer], self._ring_mask(w, end)
+        n = min(start, w - 1)  # earlier slots the chunk's first query sees (the oldest ring slot it does not)
+        if n:
+            idx = torch.arange(start - n, start, device=k.device) % w  # ring indices, oldest first
+            keys, values = torch.cat([self.k[layer][:, idx], k], 1), torch.cat([self.v[layer][:, idx], v], 1)
+        else:
+            keys, values = k, v
+        keep = min(t, w)
+        idx = torch.arange(end - keep, end, device=k.device) % w
+        self.k[layer][:, idx] = k[:, t - keep:]
+        self.v[layer][:, idx] = v[:, t - keep:]
+        return keys, values, self.key_mask[:, start - n:end]
+
+    def _ring_mask(self, w: int, end: int) -> torch.Tensor:
+        """Key mask [B, w] of a ring of ``w`` slots once slots [0, end) are written: index i holds
+        slot end - 1 - ((end - 1 - i) mod w), none when that is negative."""
+        if w not in self._ring_masks:
+            i = torch.arange(w, device=self.key_mask.device)
+            slot = end - 1 - (end - 1 - i) % w
+            self._ring_masks[w] = self.key_mask[:, slot.clamp(min=0)] & (slot >= 0)
+        return self._ring_masks[w]
 
     def advance(self, t: int) -> None:
         """Commit the t tokens of the forward that just ran."""

@@ -159,3 +159,88 @@ def test_prefill_runs_as_varlen_and_decode_reads_the_cache(make_model, monkeypat
     assert decode and all(dim == 4 and k["key_padding_mask"] is not None for dim, k in decode)
     calls.clear()
     assert torch.equal(got, _greedy_recompute(model, ids * mask, mask, 3))
+
+
+# -- sliding-window layers: a ring of `window` slots ----------------------------------------------
+
+@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]], ids=["all", "alternating"])
+def test_ring_cache_chunks_equal_full_forward(make_model, layer_types):
+    """Chunks of every size (longer than the window, single tokens, a chunk straddling a wrap) over a
+    left-padded batch give the logits of one full forward, and the window layers hold W slots only."""
+    model = make_model("mistral", sliding_window=5, layer_types=layer_types).double()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, 128, (3, 30), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :9] = 0  # a row whose padding outlasts the first ring
+    full = model(ids * mask, attention_mask=mask)
+    cache = KVCache.for_model(model, 3, 30)
+    parts = [model(ids[:, a:b] * mask[:, a:b], attention_mask=mask[:, a:b], kv_cache=cache)
+             for a, b in [(0, 12), (12, 13), (13, 14), (14, 17), (17, 18), (18, 26), (26, 27), (27, 30)]]
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(parts, 1)[real], full[real], rtol=1e-10, atol=1e-10)
+    for i, layer in enumerate(model.model.layers):
+        slots = 5 if layer.self_attn.sliding_window else 30
+        assert cache.k[i].shape == cache.v[i].shape == (3, slots, 2, 8)
+
+
+def test_ring_cache_greedy_equals_recompute_left_padded(make_model):
+    model = make_model("mistral", sliding_window=4, layer_types=["sliding_attention", "full_attention"]).double()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 128, (3, 7), generator=g)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, :2] = 0
+    mask[2, :6] = 0
+    ids = ids * mask
+    assert torch.equal(generate(model, ids, attention_mask=mask, max_new_tokens=12),
+                       _greedy_recompute(model, ids, mask, 12))
+
+
+def test_ring_cache_bytes_and_arguments(make_model):
+    model = make_model("mistral", sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    cache = KVCache.for_model(model, 2, 100)
+    per_slot = 2 * 2 * 8 * 4  # B * Hkv * D * fp32 bytes, for k and for v
+    assert cache.nbytes(0) == 2 * 8 * per_slot and cache.nbytes(1) == 2 * 100 * per_slot
+    assert cache.nbytes() == cache.nbytes(0) + cache.nbytes(1)
+    short = KVCache.for_model(model, 2, 6)  # the window outlasts the cache: a plain buffer of 6
+    assert short.k[0].shape[1] == short.k[1].shape[1] == 6
+    with pytest.raises(ValueError, match=r"windows\[1\] must be a positive int"):
+        KVCache(2, 1, 10, 2, 8, windows=[4, 0])
+    with pytest.raises(ValueError, match="windows has 1 entries for 2 layers"):
+        KVCache(2, 1, 10, 2, 8, windows=[4])
+
+
+WINDOW_CASES = ["mistral-window", "qwen3-tied-window", "gemma2", "gemma3"]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_ring_cache_greedy_matches_transformers_past_the_window(case, tmp_path):
+    """A 12-token prompt (prefill longer than the window of 8) and 40 greedy tokens (32 past the window)
+    equal transformers' greedy decoding, with the window layers' keys and values in rings of 8 slots."""
+    transformers = pytest.importorskip("transformers")
+    from test_families import hf_model, ids
+
+    from ftlib.models import load_pretrained
+
+    hf_model(case).save_pretrained(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ours = load_pretrained(tmp_path)
+    prompt = ids(1, 12, seed=3)
+    hf.generation_config.eos_token_id = None  # no stop token on either side
+    want = hf.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)[:, 12:]
+    cache = KVCache.for_model(ours, 1, 52)
+    got = generate(ours, prompt, max_new_tokens=40, kv_cache=cache)
+    assert torch.equal(got, want), (got, want)
+    seq = torch.cat([prompt, got], 1)  # every position's logits through the ring: 12, then one token at a time
+    cache = KVCache.for_model(ours, 1, 52)
+    with torch.no_grad():
+        steps = [ours(seq[:, :12], kv_cache=cache)] + [ours(seq[:, j:j + 1], kv_cache=cache) for j in range(12, 52)]
+        full = hf(seq).logits
+    assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-5
+    windowed = [i for i, layer in enumerate(ours.model.layers) if layer.self_attn.sliding_window]
+    assert windowed
+    cfg = ours.config
+    for i in range(cfg.num_hidden_layers):
+        slots = 8 if i in windowed else 52
+        assert cache.k[i].shape == (1, slots, cfg.num_key_value_heads, cfg.head_dim)
+        assert cache.nbytes(i) == 2 * slots * cfg.num_key_value_heads * cfg.head_dim * 4
