@@ -30,6 +30,16 @@ Sampling of the next token from logits z (float32) at the last position:
     min-p             keep the tokens with p >= min_p * max p (Nguyen et al. 2024),
                       p after temperature and the filters above
 
+Stop strings (``stop_strings=`` with ``tokenizer=``, as transformers names them): after each
+step every still-running row's text is extended by its new token's text only, found as
+streaming detokenizers do (vLLM, transformers' TextStreamer): with p <= r offsets into the
+row's tokens, new text = decode(toks[p:]) minus decode(toks[p:r]) (the previous token gives
+the context a tokenizer needs for spaces), held back while it ends in an incomplete UTF-8
+character (U+FFFD). The row stops at the first token after which the last L - 1 characters of
+the earlier text (L the longest stop string) plus the new text hold a stop string, so a string
+spanning token boundaries is found and each step decodes a couple of tokens, not the
+completion. The stop token is kept and the rest of the row padded, as for a stop token.
+
 Generation runs under ``torch.no_grad()``; the model's training mode is left as
 the caller set it.
 """
@@ -42,7 +52,7 @@ import torch
 
 from ..kernels import linear_module
 
-__all__ = ["KVCache", "generate", "sample_next"]
+__all__ = ["KVCache", "StopStrings", "generate", "sample_next"]
 
 
 class KVCache:
@@ -164,6 +174,56 @@ class KVCache:
         self.next_position += self._pending
 
 
+class StopStrings:
+    """Where a token stream's decoded text first holds one of ``strings`` (see the module docstring).
+
+    ``scanner()`` follows one stream token by token (``push(token) -> bool``); ``first_stop(tokens)``
+    is the index of the token at which a whole sequence first holds a stop string, or None.
+    """
+
+    def __init__(self, tokenizer, strings: Sequence[str] | str):
+        strings = (strings,) if isinstance(strings, str) else tuple(strings)
+        if not strings:
+            raise ValueError("stop_strings is empty")
+        for i, text in enumerate(strings):
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop_strings[{i}] must be a non-empty string, got {text!r}")
+        if not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"stop strings need a tokenizer with decode(ids) -> str, got {type(tokenizer).__name__}")
+        self.tokenizer, self.strings = tokenizer, strings
+        self.keep = max(map(len, strings)) - 1  # characters of earlier text a match can start in
+
+    def scanner(self) -> _StopScan:
+        return _StopScan(self)
+
+    def first_stop(self, tokens: Iterable[int]) -> int | None:
+        scan = self.scanner()
+        for i, token in enumerate(tokens):
+            if scan.push(int(token)):
+                return i
+        return None
+
+
+class _StopScan:
+    """One stream's incremental detokenization state for ``StopStrings``."""
+
+    def __init__(self, stop: StopStrings):
+        self.stop, self.tokens, self.prefix, self.read, self.tail = stop, [], 0, 0, ""
+
+    def push(self, token: int) -> bool:
+        """Append ``token``; True when the text so far holds a stop string (first seen at this token)."""
+        self.tokens.append(token)
+        decode = self.stop.tokenizer.decode
+        text = decode(self.tokens[self.prefix:])
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the bytes still to come
+            return False
+        new = text[len(decode(self.tokens[self.prefix:self.read])):]
+        self.prefix, self.read = self.read, len(self.tokens)
+        window = self.tail + new
+        self.tail = window[len(window) - self.stop.keep:] if self.stop.keep else ""
+        return any(s in window for s in self.stop.strings)
+
+
 def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, min_p: float | None = None,
                 generator: torch.Generator | None = None) -> torch.Tensor:
@@ -209,6 +269,8 @@ def generate(
     top_p: float | None = None,
     min_p: float | None = None,
     stop_tokens: Iterable[int] | int | None = None,
+    stop_strings: Sequence[str] | str | None = None,
+    tokenizer=None,
     pad_token_id: int = 0,
     generator: torch.Generator | None = None,
     kv_cache: KVCache | None = None,
@@ -216,8 +278,9 @@ def generate(
     """Decode up to ``max_new_tokens`` after ``input_ids`` [B, T] (left-padded when ``attention_mask`` has 0s).
 
     Returns the new tokens [B, N], N <= max_new_tokens: a row that emits a stop
-    token keeps it and is filled with ``pad_token_id`` after it; decoding ends
-    early once every row has stopped. ``kv_cache`` (optional) must be empty and
+    token, or the token that completes one of ``stop_strings`` in its decoded text
+    (``tokenizer.decode``), keeps it and is filled with ``pad_token_id`` after it;
+    decoding ends early once every row has stopped. ``kv_cache`` (optional) must be empty and
     hold at least T + max_new_tokens slots; by default one is allocated here.
     """
     if input_ids.dim() != 2:
@@ -232,6 +295,12 @@ def generate(
     if isinstance(stop_tokens, int):
         stop_tokens = [stop_tokens]
     stops = torch.tensor(list(stop_tokens or []), dtype=torch.long, device=input_ids.device)
+    scans = None
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("generate: stop_strings needs tokenizer= (to decode each row's newest tokens)")
+        check = StopStrings(tokenizer, stop_strings)
+        scans = [check.scanner() for _ in range(b)]
     if kv_cache is None:
         kv_cache = KVCache.for_model(model, b, t + max_new_tokens)
     elif kv_cache.length != 0 or kv_cache.max_len < t + max_new_tokens or kv_cache.batch_size != b:
@@ -258,6 +327,9 @@ def generate(
         nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                           generator=generator)
         out[:, n - 1] = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
+        if scans is not None:  # rows still running: does the new token's text complete a stop string?
+            hit = [not d and scans[r].push(tok) for r, (d, tok) in enumerate(zip(done.tolist(), nxt.tolist()))]
+            done |= torch.tensor(hit, dtype=torch.bool, device=done.device)
         done |= torch.isin(nxt, stops)
         if bool(done.all()):
             break

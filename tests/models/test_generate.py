@@ -244,3 +244,76 @@ def test_ring_cache_greedy_matches_transformers_past_the_window(case, tmp_path):
         slots = 8 if i in windowed else 52
         assert cache.k[i].shape == (1, slots, cfg.num_key_value_heads, cfg.head_dim)
         assert cache.nbytes(i) == 2 * slots * cfg.num_key_value_heads * cfg.head_dim * 4
+
+
+# -- stop strings halt decoding ---------------------------------------------------------------------
+
+class _TwoChar:
+    """Each token decodes to two letters, so a string can start in one token and end in the next."""
+
+    def decode(self, ids):
+        return "".join(chr(65 + i // 26 % 26) + chr(97 + i % 26) for i in ids)
+
+
+def _first_prefix_holding(tok, ids, stop):
+    """The reference rule, by brute force: the shortest prefix whose whole decoded text holds ``stop``."""
+    return next((k for k in range(len(ids)) if stop in tok.decode(ids[:k + 1])), None)
+
+
+def _count_forwards(model):
+    calls = []
+    model.model.register_forward_pre_hook(lambda m, a, k: calls.append(1), with_kwargs=True)
+    return calls
+
+
+def test_stop_string_spanning_tokens_halts_decoding(make_model):
+    model = make_model()
+    tok = _TwoChar()
+    ids = torch.randint(0, 128, (2, 4), generator=torch.Generator().manual_seed(6))
+    free = generate(model, ids, max_new_tokens=20)
+    row0, row1 = free[0].tolist(), free[1].tolist()
+    # each stop string is the last letter of one token and the first of the next: it exists only once
+    # the second token is out, and first occurs there (new token 5 of row 0, new token 7 of row 1)
+    stop0, stop1 = tok.decode(row0)[9:11], tok.decode(row1)[13:16]
+    assert _first_prefix_holding(tok, row0, stop0) == 5 and _first_prefix_holding(tok, row1, stop1) == 7
+    assert stop0 not in tok.decode(row0[5:6]) and stop1 not in tok.decode(row1[7:8])
+    assert _first_prefix_holding(tok, row1, stop0) is None and _first_prefix_holding(tok, row0, stop1) is None
+    calls = _count_forwards(model)
+    got = generate(model, ids, max_new_tokens=20, stop_strings=[stop0], tokenizer=tok, pad_token_id=-1)
+    assert got.shape[1] == len(calls) == 20 and got[1].tolist() == row1  # row 1 never stops
+    assert got[0, :6].tolist() == row0[:6] and (got[0, 6:] == -1).all()  # row 0 cut after the string's end
+    calls.clear()  # both rows stop: decoding ends at the later stop, one forward per new token
+    got = generate(model, ids, max_new_tokens=20, stop_strings=(stop0, stop1), tokenizer=tok, pad_token_id=-1)
+    assert got.shape[1] == len(calls) == 8
+    assert got[0].tolist() == row0[:6] + [-1, -1] and got[1].tolist() == row1[:8]
+    with pytest.raises(ValueError, match="stop_strings needs tokenizer="):
+        generate(model, ids, max_new_tokens=2, stop_strings=["x"])
+    with pytest.raises(ValueError, match=r"stop_strings\[1\] must be a non-empty string"):
+        generate(model, ids, max_new_tokens=2, stop_strings=["x", ""], tokenizer=tok)
+
+
+def _bytes_tokenizer():
+    """One token per byte (no merges): a multi-byte character always spans tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+_BYTES = _bytes_tokenizer()
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="ab é€ü", min_size=1, max_size=14), data=st.data())
+def test_stop_strings_scan_equals_the_whole_text_rule(text, data):
+    """Invariant: the incremental scan stops where the shortest prefix's whole decoded text first holds a
+    stop string, with multi-byte characters split over byte tokens (the partial character waits)."""
+    from ftlib.models.generate import StopStrings
+
+    ids = _BYTES.encode(text).ids
+    i = data.draw(st.integers(0, len(text) - 1))
+    stop = data.draw(st.sampled_from([text[i:i + n] for n in (1, 2, 3)] + ["€", "b é"]))
+    assert StopStrings(_BYTES, [stop]).first_stop(ids) == _first_prefix_holding(_BYTES, ids, stop)
