@@ -126,10 +126,11 @@ class KVCache:
         self._pending = counts[:, -1]
         return positions
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, window: int | None = None):
         """Write k/v [B, t, Hkv, D] of the slots [length, length+t); return keys, values [B, L, Hkv, D] and
         their mask [B, L] such that causal bottom-right attention with the layer's window over them is
-        the attention over every slot so far.
+        the attention over every slot so far. ``window``: the layer's sliding window (None: full), which
+        a ring must equal.
 
         Full layers: the slots [0, length+t). Ring layers (ring size W, slot s at index s mod W): for a
         single token, the ring after the write (the slots length+1-W .. length: exactly its window, in
@@ -139,6 +140,9 @@ class KVCache:
         start, t = self.length, k.shape[1]
         end = start + t
         w = self.ring[layer]
+        if w is not None and w != window:  # a smaller ring would drop keys the layer sees, a ring on a full layer too
+            raise ValueError(f"KVCache: layer {layer} keeps a ring of {w} slots but attends with window {window}; "
+                             "build the cache with KVCache.for_model(model, ...)")
         if w is None:
             self.k[layer][:, start:end] = k
             self.v[layer][:, start:end] = v

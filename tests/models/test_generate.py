@@ -208,6 +208,9 @@ def test_ring_cache_bytes_and_arguments(make_model):
         KVCache(2, 1, 10, 2, 8, windows=[4, 0])
     with pytest.raises(ValueError, match="windows has 1 entries for 2 layers"):
         KVCache(2, 1, 10, 2, 8, windows=[4])
+    wrong = KVCache(2, 2, 100, 2, 8, windows=[4, None])  # a ring smaller than the layer's window of 8
+    with pytest.raises(ValueError, match="layer 0 keeps a ring of 4 slots but attends with window 8"):
+        generate(model, torch.ones(2, 3, dtype=torch.long), max_new_tokens=2, kv_cache=wrong)
 
 
 WINDOW_CASES = ["mistral-window", "qwen3-tied-window", "gemma2", "gemma3"]
