@@ -115,7 +115,7 @@ class RolloutBatch:
     prompts: list  # the prompt objects (str or messages), one per sample
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]  # the first stop token kept, nothing after
-    completions: list[str]  # decoded, stop tokens/strings dropped
+    completions: list[str]  # decoded, the stop token dropped (a stop string's text stays)
     truncated: list[bool]  # reached max_new_tokens without a stop
     group_size: int
     fields: dict = field(default_factory=dict)  # the other dataset columns, one value per sample

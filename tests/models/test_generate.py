@@ -320,3 +320,28 @@ def test_stop_strings_scan_equals_the_whole_text_rule(text, data):
     i = data.draw(st.integers(0, len(text) - 1))
     stop = data.draw(st.sampled_from([text[i:i + n] for n in (1, 2, 3)] + ["€", "b é"]))
     assert StopStrings(_BYTES, [stop]).first_stop(ids) == _first_prefix_holding(_BYTES, ids, stop)
+
+
+def _metaspace_tokenizer():
+    """SentencePiece-style pieces: a token's leading space shows only after another token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"▁a": 0, "▁b": 1, "a": 2, "b": 3, "▁é": 4, "é": 5, "<unk>": 6}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    return tok
+
+
+_PIECES = _metaspace_tokenizer()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 5), min_size=1, max_size=12), data=st.data())
+def test_stop_strings_scan_keeps_the_spaces_between_tokens(ids, data):
+    """Same invariant where decoding tokens one by one would lose the spaces (``▁b`` alone is "b")."""
+    from ftlib.models.generate import StopStrings
+
+    text = _PIECES.decode(ids)
+    i = data.draw(st.integers(0, len(text) - 1))
+    stop = data.draw(st.sampled_from([text[i:i + n] for n in (1, 2, 3)] + ["a b", " é"]))
+    assert StopStrings(_PIECES, [stop]).first_stop(ids) == _first_prefix_holding(_PIECES, ids, stop)
