@@ -46,7 +46,9 @@ place that calls the attention op); the blocks never look at the layout:
 
 Decoding passes a ``KVCache`` (``ftlib.models.generate``): the new K/V are
 written at the cache position and the queries attend over the whole cache with
-bottom-right causal alignment and a key mask hiding padded prompt slots. The
+bottom-right causal alignment and a key mask hiding padded prompt slots (a
+sliding-window layer's cache is a ring of its window, whose ``update`` returns the keys
+the same windowed attention reads). The
 prompt pass over an empty cache attends over its own tokens only, so it runs as
 varlen segments like a padded batch (fused kernels, no T x T score matrix). The
 model itself holds no inference state.
@@ -189,7 +191,7 @@ class BatchPlan:
         """
         extras = dict(sliding_window=sliding_window, softcap=softcap)
         if self.kv_cache is not None:  # write these T keys/values; (B, L, Hkv, D) over the slots so far
-            k_all, v_all, key_mask = self.kv_cache.update(layer_idx, k, v)
+            k_all, v_all, key_mask = self.kv_cache.update(layer_idx, k, v, window=sliding_window)
         if self.mode == "varlen":  # (B*T, H, D): documents never see each other
             b, t, hq, d = q.shape
             o = attention(q.reshape(b * t, hq, d), k.reshape(b * t, -1, d), v.reshape(b * t, -1, d), causal=True,

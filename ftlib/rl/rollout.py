@@ -3,14 +3,18 @@
 ``rollout(generator, tokenizer, prompt_ids, group_size=G, sampling=...)`` repeats each prompt G
 times (the G samples of prompt j are rows j·G .. j·G + G - 1: a group) and asks a ``Generator``
 for one completion each. ``ModelGenerator`` decodes with ``ftlib.models.generate`` (batched, KV
-cache; temperature, top-k, top-p, min-p; stop tokens) with the model in eval mode (dropout off:
+cache; temperature, top-k, top-p, min-p; stop tokens; stop strings, with its ``tokenizer``) with the
+model in eval mode (dropout off:
 a rollout sampled with dropout on has other log-probs than the ones the loss recomputes) and its
 mode restored after. Any other engine (a server, vLLM) plugs in as a callable
 ``(prompt_ids, sampling, rng) -> list[completion ids]``.
 
 A completion keeps its first stop token (the policy chose to stop: the loss trains that choice,
 as TRL's completion mask does) and nothing after it; ``stop_strings`` cut the completion after
-the first token at which the decoded text contains one. A completion that reached
+the first token at which the decoded text contains one (``ftlib.models.generate.StopStrings``,
+checked token by token; whichever stop comes first). ``ModelGenerator`` halts each row at that
+token while decoding, so a batch whose rows have all stopped ends early; completions from any
+other engine are cut the same way afterwards. A completion that reached
 ``max_new_tokens`` without stopping is *truncated* (counted; ``mask_truncated`` in
 ``pack_rollouts`` leaves it out of the loss, DAPO's overlong filtering).
 
@@ -34,7 +38,7 @@ import numpy as np
 import torch
 
 from ..data import collate_packed, pack
-from ..models.generate import generate
+from ..models.generate import StopStrings, generate
 
 __all__ = ["Generator", "ModelGenerator", "RolloutBatch", "SamplingConfig", "pack_rollouts", "rollout"]
 
@@ -63,16 +67,25 @@ Generator = Callable[[Sequence[Sequence[int]], SamplingConfig, torch.Generator],
 
 
 class ModelGenerator:
-    """A ``Generator`` over a ``LlamaForCausalLM`` through ``ftlib.models.generate`` (eval mode while decoding)."""
+    """A ``Generator`` over a ``LlamaForCausalLM`` through ``ftlib.models.generate`` (eval mode while decoding).
 
-    def __init__(self, model, pad_token_id: int, device=None):
-        self.model, self.pad_token_id = model, int(pad_token_id)
+    ``tokenizer`` (its ``decode``) is needed for ``sampling.stop_strings``: decoding halts at them.
+    """
+
+    def __init__(self, model, pad_token_id: int, device=None, tokenizer=None):
+        self.model, self.pad_token_id, self.tokenizer = model, int(pad_token_id), tokenizer
         self.device = device if device is not None else next(model.parameters()).device
 
     @torch.no_grad()
     def __call__(self, prompt_ids, sampling: SamplingConfig, rng: torch.Generator) -> list[list[int]]:
         out: list[list[int]] = []
         stops = set(sampling.stop_tokens)
+        strings = None
+        if sampling.stop_strings:
+            if self.tokenizer is None:
+                raise ValueError("ModelGenerator: sampling.stop_strings needs ModelGenerator(..., tokenizer=...) "
+                                 "to halt decoding at them")
+            strings = StopStrings(self.tokenizer, sampling.stop_strings)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -87,10 +100,9 @@ class ModelGenerator:
                 new = generate(self.model, ids.to(self.device), attention_mask=mask.to(self.device),
                                max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
-                               stop_tokens=list(stops), pad_token_id=self.pad_token_id, generator=rng)
-                for toks in new.tolist():
-                    cut = next((j + 1 for j, t in enumerate(toks) if t in stops), len(toks))
-                    out.append(toks[:cut])
+                               stop_tokens=list(stops), stop_strings=sampling.stop_strings or None,
+                               tokenizer=self.tokenizer, pad_token_id=self.pad_token_id, generator=rng)
+                out.extend(_cut_at_stop(toks, stops, strings)[0] for toks in new.tolist())
         finally:
             self.model.train(was_training)
         return out
@@ -103,7 +115,7 @@ class RolloutBatch:
     prompts: list  # the prompt objects (str or messages), one per sample
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]  # the first stop token kept, nothing after
-    completions: list[str]  # decoded, stop tokens/strings dropped
+    completions: list[str]  # decoded, the stop token dropped (a stop string's text stays)
     truncated: list[bool]  # reached max_new_tokens without a stop
     group_size: int
     fields: dict = field(default_factory=dict)  # the other dataset columns, one value per sample
@@ -130,14 +142,14 @@ class RolloutBatch:
                             {k: [v[i] for i in idx] for k, v in self.fields.items()}, self.seconds)
 
 
-def _cut_stop_string(toks: list[int], tokenizer, stop_strings) -> tuple[list[int], bool]:
-    text = tokenizer.decode(toks)
-    if not any(s in text for s in stop_strings):
-        return toks, False
-    for k in range(1, len(toks) + 1):  # the shortest prefix whose text holds a stop string
-        if any(s in tokenizer.decode(toks[:k]) for s in stop_strings):
-            return toks[:k], True
-    return toks, True
+def _cut_at_stop(toks: list[int], stops: set[int], strings: StopStrings | None) -> tuple[list[int], bool]:
+    """``toks`` up to and including its first stop (a stop token, or the token completing a stop
+    string), and whether it stopped; nothing after a stop is kept (``generate`` pads there)."""
+    cut = next((j for j, t in enumerate(toks) if t in stops), None)
+    if strings is not None:
+        at = strings.first_stop(toks if cut is None else toks[:cut])  # a string completed before the token
+        cut = at if at is not None else cut
+    return (toks, False) if cut is None else (toks[:cut + 1], True)
 
 
 def rollout(generator: Generator, tokenizer, prompt_ids: Sequence[Sequence[int]], *, group_size: int,
@@ -158,12 +170,10 @@ def rollout(generator: Generator, tokenizer, prompt_ids: Sequence[Sequence[int]]
     if len(comp) != len(rep):
         raise ValueError(f"the generator returned {len(comp)} completions for {len(rep)} prompts")
     stops = set(sampling.stop_tokens)
+    strings = StopStrings(tokenizer, sampling.stop_strings) if sampling.stop_strings else None
     comp_ids, texts, truncated = [], [], []
     for toks in comp:
-        toks = list(toks)
-        stopped = bool(toks) and toks[-1] in stops
-        if sampling.stop_strings and not stopped:
-            toks, stopped = _cut_stop_string(toks, tokenizer, sampling.stop_strings)
+        toks, stopped = _cut_at_stop(list(toks), stops, strings)
         if not toks:
             raise ValueError("the generator returned an empty completion")
         comp_ids.append(toks)

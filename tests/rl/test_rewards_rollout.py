@@ -113,6 +113,38 @@ def test_stop_strings_cut_the_completion():
     assert ro.completion_ids == [[10, 11]] * 2 and ro.truncated == [False, False]
 
 
+def _first_prefix_holding(tok, ids, stop):
+    return next((k for k in range(len(ids)) if stop in tok.decode(ids[:k + 1])), None)
+
+
+def test_model_generator_halts_at_stop_strings():
+    """The rollout sampler stops each row at the token completing a stop string (one spanning two tokens'
+    text here) and decoding ends when every row has: fewer forwards than max_new_tokens."""
+    model, tok = _tiny(), _Tok()
+    calls = []
+    model.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    prompts = [[5, 6, 7]]
+
+    def run(**kw):
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=12, **kw)
+        calls.clear()
+        return rollout(ModelGenerator(model, pad_token_id=0, tokenizer=tok), tok, prompts, group_size=2,
+                       sampling=sampling, rng=torch.Generator().manual_seed(2))
+
+    free = run().completion_ids
+    assert len(calls) == 12 and all(len(c) == 12 for c in free)
+    # the last digit of new token 3 and the first of token 4, across their separating space
+    stops = tuple(f"{str(c[3])[-1]} t{str(c[4])[0]}" for c in free)
+    cuts = [min(k for k in (_first_prefix_holding(tok, c, s) for s in stops) if k is not None) for c in free]
+    assert all(stop not in tok.decode(c[k:k + 1]) for c, k in zip(free, cuts) for stop in stops)
+    ro = run(stop_strings=stops)
+    assert ro.completion_ids == [c[:k + 1] for c, k in zip(free, cuts)] and ro.truncated == [False, False]
+    assert max(cuts) <= 4 and len(calls) == max(cuts) + 1 < 12  # decoding ended early
+    assert ro.completions == [tok.decode(c[:k + 1]) for c, k in zip(free, cuts)]
+    with pytest.raises(ValueError, match="stop_strings needs ModelGenerator"):
+        ModelGenerator(model, pad_token_id=0)(prompts, SamplingConfig(stop_strings=("x",)), torch.Generator())
+
+
 def test_pack_rollouts_layout_and_logprobs():
     model = _tiny().double()
 
