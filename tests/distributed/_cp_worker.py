@@ -1,0 +1,72 @@
+"""torchrun worker for tests/distributed/test_context_parallel.py: ``_cp_worker.py OUT``.
+
+Every rank runs the tiny LoRA model on its zigzag shard of one packed row and sums the gradients
+over the group; rank 0 writes ``OUT/result.json`` with the largest differences from the one-process
+loss and gradients, for the code as it is and with two bugs put in on purpose (a skipped key block,
+the mirrored chunk's causal mask one key too far), which must be far off.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cp_common import build, one_process, packed_batch  # noqa: E402
+
+import ftlib.distributed.context_parallel as cp  # noqa: E402
+
+
+def run(model, batch):
+    model.zero_grad(set_to_none=True)
+    shard = cp.zigzag_shard(batch)
+    loss, n = cp.context_parallel_loss(model, shard, tile=4)  # tiles smaller than a chunk: the tiling runs too
+    (loss / n).backward()
+    cp.sum_gradients(model.parameters())
+    total = (loss / n).detach().reshape(1)
+    dist.all_reduce(total)
+    return float(total), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+def diffs(model, batch, ref):
+    loss, grads = run(model, batch)
+    ref_loss, ref_grads = ref
+    assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
+    worst = max(((g - ref_grads[k]).abs().max().item(), k) for k, g in grads.items())
+    return {"loss": abs(loss - ref_loss), "grad": worst[0], "worst": worst[1],
+            "lora_grad": max((g - ref_grads[k]).abs().max().item() for k, g in grads.items() if "lora_" in k),
+            "n_grads": len(grads)}
+
+
+def main():
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    model, batch = build(), packed_batch()
+    ref = one_process(model, batch)
+    result = {"exact": diffs(model, batch, ref), "world": dist.get_world_size()}
+
+    blocks = cp._visible_blocks
+    cp._visible_blocks = lambda world, rank: blocks(world, rank)[:-1]  # bug 1: the last key block never arrives
+    result["skip_block"] = diffs(model, batch, ref)
+    cp._visible_blocks = blocks
+
+    mask, half = cp._tile_mask, 48 // 2
+
+    def off_by_one(qi, kj, qdoc, kdoc, window):  # bug 2: the mirrored chunks (second half) see one key ahead
+        shifted = torch.where(qi >= half, qi + 1, qi)
+        return mask(shifted, kj, qdoc, kdoc, window)
+
+    cp._tile_mask = off_by_one
+    result["mirrored_off_by_one"] = diffs(model, batch, ref)
+    cp._tile_mask = mask
+    if dist.get_rank() == 0:
+        (out / "result.json").write_text(json.dumps(result))
+        (out / "ok").write_text("ok")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
