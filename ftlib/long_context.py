@@ -1,0 +1,203 @@
+"""Sequence-chunked MLP: each decoder block's MLP (with the LoRA products inside it) runs over K chunks of
+the sequence, forward and backward, so its [T, intermediate] tensors never exist for the whole sequence.
+
+A gated MLP is a function of one token at a time, ``M(x)_t = down(act(gate(x_t)) * up(x_t))``, so
+splitting the T tokens into K chunks and concatenating the outputs is the same function, and its
+gradients are the sums of the chunks' (the weights') or their concatenation (the input's)::
+
+    y = cat_k M(x_k),      dL/dx = cat_k (dL/dy_k) dM/dx_k,      dL/dW = sum_k (dL/dy_k) dM/dW
+
+What is saved. Forward runs every chunk without saving anything but the input x ([T, H], the
+normed residual that autograd kept anyway for the block's own backward); backward recomputes one
+chunk at a time under grad mode, back-propagates it and frees it before the next (per-chunk
+recomputation, as reentrant activation checkpointing does: the parameters' gradients accumulate
+from each chunk's own backward). Per token, in bytes with activations of a bytes (bf16: 2) and
+LoRA rank r on the three projections (``peak_saved_bytes`` measures it, tests/test_long_context.py):
+
+    unchunked, at once:  a H (x)  +  4 a I (gate, up, act(gate), act(gate) * up)  +  3 a r  (A's outputs)
+    K chunks, at once:   a H      + (4 a I + 3 a r) / K                         (one chunk's, in backward)
+
+so at Llama-3.1-8B sizes (H = 4096, I = 14336, r = 32, bf16) 123,072 -> 8,192 + 114,880 / K bytes a
+token: K = 8 keeps 22,552 (at 342k tokens: 42 GB -> 7.7 GB for the layer being back-propagated).
+Dropout in an adapter draws its mask from torch's generator: the generator's state before each
+chunk is saved and restored for its recomputation, so the mask is the same both times (the masks
+differ from an unchunked run's, with the same law). Autocast's state is replayed too.
+
+    chunk_mlp(model, chunks=8)   # every ``*.mlp`` module; state_dict keys unchanged; undo: unchunk_mlp(model)
+
+The module keeps its identity and children (its class is swapped for a subclass whose forward
+chunks, as ``torch.nn.utils.parametrize`` does), so adapters applied before or after, the state
+dict and FSDP2 units are as they were.
+
+Reference: Liu et al. 2023 ("Blockwise Parallel Transformer": blockwise feed-forward over the
+sequence); Unsloth's long-context notes (chunked MLP and offloaded checkpoints).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["chunk_mlp", "chunked_apply", "peak_saved_bytes", "unchunk_mlp"]
+
+_CHUNKED: dict[type, type] = {}  # original MLP class -> its chunking subclass
+
+
+class _ChunkedApply(torch.autograd.Function):
+    """y = cat_k fn(x_k) over ``chunks`` pieces of dim -2; saves x only, recomputes chunk by chunk in backward."""
+
+    @staticmethod
+    def forward(ctx, x, fn, chunks, *params):
+        pieces = [p for p in torch.tensor_split(x, chunks, dim=-2) if p.shape[-2]]
+        states, outs = [], []
+        dev = x.device.type
+        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        for piece in pieces:
+            states.append(_rng_state(x.device))
+            with torch.no_grad():
+                outs.append(fn(piece))
+        ctx.fn, ctx.chunks, ctx.states = fn, chunks, states
+        ctx.save_for_backward(x)
+        return torch.cat(outs, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        dev, enabled, dtype = ctx.autocast
+        pieces = [p for p in torch.tensor_split(x, ctx.chunks, dim=-2) if p.shape[-2]]
+        grads = torch.split(grad, [p.shape[-2] for p in pieces], dim=-2)
+        dx = []
+        for piece, g, state in zip(pieces, grads, ctx.states):
+            xc = piece.detach().requires_grad_(ctx.needs_input_grad[0])
+            with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+                _set_rng_state(x.device, state)
+                with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
+                    out = ctx.fn(xc)
+            if out.requires_grad:
+                torch.autograd.backward(out, g)  # the chunk's graph is freed here, before the next chunk
+            dx.append(xc.grad if xc.grad is not None else torch.zeros_like(piece))
+            del out
+        return (torch.cat(dx, dim=-2) if ctx.needs_input_grad[0] else None, None, None) + (None,) * (
+            len(ctx.needs_input_grad) - 3)
+
+
+def _rng_state(device: torch.device):
+    cpu = torch.get_rng_state()
+    return cpu, (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(device: torch.device, state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def chunked_apply(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunks: int,
+                  params=()) -> torch.Tensor:
+    """``fn(x)`` for a token-wise ``fn`` over ``chunks`` pieces of x's dim -2 (the sequence), saving x only.
+
+    ``params``: the tensors ``fn`` reads that need gradients (passed so autograd runs the backward
+    when only they, not x, require grad; their gradients come from the chunks' own backward).
+    Without grad mode it is ``cat(fn(x_k))``.
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+    if x.dim() < 2:
+        raise ValueError(f"chunked_apply: x must have a sequence dim (-2), got shape {tuple(x.shape)}")
+    params = tuple(p for p in params if p.requires_grad)
+    if not torch.is_grad_enabled() or not (x.requires_grad or params):
+        return torch.cat([fn(p) for p in torch.tensor_split(x, chunks, dim=-2) if p.shape[-2]], dim=-2)
+    return _ChunkedApply.apply(x, fn, chunks, *params)
+
+
+def _chunked_class(cls: type) -> type:
+    if cls not in _CHUNKED:
+        def forward(self, x):
+            run = super(sub, self).forward
+            return chunked_apply(run, x, self.mlp_chunks, tuple(self.parameters()))
+
+        sub = type(f"Chunked{cls.__name__}", (cls,), {"forward": forward, "_unchunked_class": cls,
+                                                      "__doc__": f"{cls.__name__} over sequence chunks "
+                                                                 f"(ftlib.long_context.chunk_mlp)."})
+        _CHUNKED[cls] = sub
+    return _CHUNKED[cls]
+
+
+def _mlps(model: nn.Module) -> list[nn.Module]:
+    return [m for name, m in model.named_modules() if name == "mlp" or name.endswith(".mlp")]
+
+
+def chunk_mlp(model: nn.Module, chunks: int) -> nn.Module:
+    """Run every ``*.mlp`` module of ``model`` over ``chunks`` sequence chunks (see the module doc); returns model.
+
+    Calling it again changes K. A model without any ``mlp`` module is refused.
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunk_mlp: chunks must be an int >= 1, got {chunks!r}")
+    mlps = _mlps(model)
+    if not mlps:
+        raise ValueError(f"chunk_mlp: {type(model).__name__} has no module named 'mlp' (a decoder block's MLP)")
+    for m in mlps:
+        base = getattr(type(m), "_unchunked_class", type(m))
+        m.__class__ = _chunked_class(base)
+        m.mlp_chunks = chunks
+    return model
+
+
+def unchunk_mlp(model: nn.Module) -> nn.Module:
+    """Undo :func:`chunk_mlp`: every chunked ``mlp`` gets its own class back."""
+    for m in _mlps(model):
+        base = getattr(type(m), "_unchunked_class", None)
+        if base is not None:
+            m.__class__ = base
+            del m.mlp_chunks
+    return model
+
+
+def peak_saved_bytes(step: Callable[[], object]) -> int:
+    """The largest number of bytes autograd held saved at once while ``step()`` ran (forward and backward).
+
+    Every tensor saved for backward goes through ``saved_tensors_hooks``; one storage counts once
+    (the views F.linear saves of one input), parameters count not, and a storage counts until the
+    last thing that saved it is freed (backward drops a node's saved tensors after using them).
+    Recomputations that run under the caller's hooks (``chunked_apply``'s) are counted when they save.
+    """
+    live: dict[int, list] = {}  # storage ptr -> [bytes, holders alive]
+    state = {"now": 0, "peak": 0}
+
+    class _Held:
+        __slots__ = ("t", "__weakref__")
+
+        def __init__(self, t):
+            self.t = t
+
+    def release(ptr):
+        entry = live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            state["now"] -= entry[0]
+            del live[ptr]
+
+    def pack(t):
+        if isinstance(t, nn.Parameter) or (t._base is not None and isinstance(t._base, nn.Parameter)):
+            return t
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr not in live:
+            live[ptr] = [s.nbytes(), 0]
+            state["now"] += s.nbytes()
+            state["peak"] = max(state["peak"], state["now"])
+        live[ptr][1] += 1
+        held = _Held(t)
+        weakref.finalize(held, release, ptr)
+        return held
+
+    def unpack(h):
+        return h.t if isinstance(h, _Held) else h
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        step()
+    return state["peak"]
