@@ -6,7 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlib.long_context import chunk_mlp, chunked_apply, peak_saved_bytes, unchunk_mlp
+import ftlib.long_context as lc
+from ftlib.long_context import (
+    chunk_mlp,
+    chunked_apply,
+    offload_checkpoints,
+    peak_saved_bytes,
+    unchunk_mlp,
+    unoffload_checkpoints,
+)
 from ftlib.lora import LoRAConfig, apply_lora
 from ftlib.models import LlamaConfig, LlamaForCausalLM
 
@@ -94,8 +102,59 @@ def test_peak_saved_bytes_shrink_as_stated(chunks):
     assert _mlp_peak(chunks, t) == t * a * h + t * (4 * a * i + 3 * a * r) // chunks
 
 
+@pytest.mark.parametrize("chunks,dropout", [(1, 0.0), (3, 0.0), (1, 0.3), (3, 0.3)])
+def test_offloaded_checkpoints_equal_no_checkpointing(chunks, dropout):
+    """float64: hidden states and every LoRA gradient with each block's input kept as a (CPU) copy and the block
+    recomputed in backward, equal to the same model without checkpointing; with adapter dropout too (the
+    forward draws the masks in the same order, the recomputation replays them)."""
+    model = _model(dropout=dropout, num_hidden_layers=3)
+    ids = torch.randint(0, 37, (2, 13), generator=torch.Generator().manual_seed(1))
+    if chunks > 1:
+        chunk_mlp(model, chunks)
+    torch.manual_seed(7)
+    want_h, want_g = _run(model, ids)
+    keys = list(model.state_dict())
+    offload_checkpoints(model, copy_cpu=True)
+    assert list(model.state_dict()) == keys
+    torch.manual_seed(7)
+    got_h, got_g = _run(model, ids)
+    torch.testing.assert_close(got_h, want_h, rtol=0, atol=0)
+    assert got_g.keys() == want_g.keys() and len(got_g) == 3 * 7 * 2
+    for k, g in want_g.items():
+        torch.testing.assert_close(got_g[k], g, rtol=0, atol=1e-12, msg=k)
+    unoffload_checkpoints(model)
+    assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"
+
+
+def test_offloaded_inputs_come_back_last_block_first(monkeypatch):
+    """Backward of block l fetches its own input and starts the copy of block l - 1's; nothing else is kept."""
+    model = offload_checkpoints(_model(num_hidden_layers=3), copy_cpu=True)
+    events, made = [], []
+    init, fetch, prefetch = lc._HostCopy.__init__, lc._HostCopy.fetch, lc._HostCopy.prefetch
+
+    def record_init(self, x, copy_cpu):
+        init(self, x, copy_cpu)
+        made.append(self)
+        assert self.host.data_ptr() != x.data_ptr()  # a copy, not the block's input
+
+    monkeypatch.setattr(lc._HostCopy, "__init__", record_init)
+    monkeypatch.setattr(lc._HostCopy, "fetch", lambda self: events.append(("fetch", made.index(self))) or fetch(self))
+    monkeypatch.setattr(lc._HostCopy, "prefetch",
+                        lambda self: events.append(("prefetch", made.index(self))) or prefetch(self))
+    _run(model, torch.randint(0, 37, (1, 9), generator=torch.Generator().manual_seed(0)))
+    assert len(made) == 3
+    assert [e for e in events if e[0] == "fetch"] == [("fetch", 2), ("fetch", 1), ("fetch", 0)]
+    assert events.index(("prefetch", 1)) < events.index(("fetch", 1))  # started during block 2's backward
+    assert all(c.host is None and c.gpu is None for c in made)  # every copy dropped once used
+    model.set_gradient_checkpointing(1)
+    with pytest.raises(RuntimeError, match="offload_checkpoints replaces the block's checkpointing"):
+        _run(model, torch.zeros(1, 4, dtype=torch.long))
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="chunks must be an int >= 1"):
         chunk_mlp(_model(lora=False), 0)
     with pytest.raises(ValueError, match="has no module named 'mlp'"):
         chunk_mlp(torch.nn.Linear(2, 2), 2)
+    with pytest.raises(ValueError, match="has no decoder blocks"):
+        offload_checkpoints(torch.nn.Linear(2, 2))
