@@ -48,11 +48,16 @@ model's attention goes through flash-attn / ftlib's Triton varlen kernel, not SD
 shards and masks itself, on torch.distributed's collectives.
 
 How it reaches the model. ``BatchPlan.attend`` in ``ftlib.models.llama`` is the one place that
-calls the attention op (the module's ``attention`` name). ``context_parallel_scope(layout)`` swaps that
-name for the zigzag attention while it is open and restores it on exit; the model runs on the
-local shard as a packed batch of one segment with the global positions given, so ``BatchPlan``
-and every block stay as they are. Inside, a call that is not the shard's varlen self-attention
-(other length, a key padding mask) raises.
+calls the attention op (the module's ``attention`` name). The model runs on the local shard as a
+packed batch of one segment, ``cu_seqlens = shard_segments(layout)`` ([0, 2c], int32), with the
+global positions given, so ``BatchPlan`` and every block stay as they are. That tensor is the
+marker: the first ``shard_segments`` call wraps ``llama.attention`` once in a dispatcher that sends
+calls whose ``cu_seqlens`` is a live marker to the zigzag attention and every other call to the op
+as before. The marker lives in the batch plan, so the recomputation of a checkpointed block in
+backward (``set_gradient_checkpointing``, ``ftlib.long_context.offload_checkpoints``), long after the
+forward returned, attends over the ring again; a context manager open around the forward only
+would leave it attending locally, silently. A marked call that is not the shard's causal
+self-attention (another length, a key padding mask) raises.
 
 The block math here is PyTorch (float32 scores, float64 stays float64), tiled by ``tile`` rows
 each way: exact and O(tile^2) memory, the test oracle of the layout; not a fused kernel.
@@ -64,11 +69,11 @@ each way: exact and O(tile^2) memory, the test oracle of the layout; not a fused
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..losses import IGNORE_INDEX, chunked_cross_entropy, head_weight
 
@@ -76,7 +81,7 @@ __all__ = [
     "ZigzagLayout",
     "context_parallel_attention",
     "context_parallel_loss",
-    "context_parallel_scope",
+    "shard_segments",
     "sum_gradients",
     "zigzag_indices",
     "zigzag_shard",
@@ -326,35 +331,46 @@ def context_parallel_attention(q, k, v, layout: ZigzagLayout, *, softmax_scale=N
     return _ZigzagAttention.apply(q, k_all, v_all, layout, float(scale), sliding_window, softcap, int(tile))
 
 
-@contextlib.contextmanager
-def context_parallel_scope(layout: ZigzagLayout, *, tile: int = 512):
-    """While open, ftlib's decoder attends with :func:`context_parallel_attention` over ``layout``.
+_SHARDS = WeakIdKeyDictionary()  # marker cu_seqlens tensor -> (layout, tile)
 
-    Swaps the attention op ``ftlib.models.llama`` calls (``BatchPlan.attend``) and restores it on exit;
-    run the model on the shard as one packed segment (``context_parallel_loss`` does). A call that is
-    not this shard's varlen self-attention raises instead of attending locally.
-    """
+
+def _install_dispatch() -> None:
+    """Wrap ``ftlib.models.llama.attention`` once: marked calls go to the zigzag attention, the others through."""
     from ..models import llama
 
-    original = llama.attention
-    n = 2 * layout.chunk
+    if getattr(llama.attention, "zigzag_dispatch", False):
+        return
+    inner = llama.attention
 
-    def attend(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax_scale=None,
-               key_padding_mask=None, sliding_window=None, softcap=None):
+    def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax_scale=None,
+                  key_padding_mask=None, sliding_window=None, softcap=None):
+        entry = _SHARDS.get(cu_seqlens) if cu_seqlens is not None else None
+        if entry is None:
+            return inner(q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                         softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
+                         sliding_window=sliding_window, softcap=softcap)
+        layout, tile = entry
+        n = 2 * layout.chunk
         if not causal or key_padding_mask is not None or q.dim() != 3 or q.shape[0] != n:
-            raise RuntimeError(f"context_parallel_scope: the model attended over {tuple(q.shape)} (causal={causal}, key "
+            raise RuntimeError(f"context parallel: the model attended over {tuple(q.shape)} (causal={causal}, key "
                                f"mask {key_padding_mask is not None}); the shard is {n} tokens in one packed row")
-        if cu_seqlens is None or cu_seqlens.numel() != 2:
-            raise RuntimeError("context_parallel_scope: run the shard as one segment (cu_seqlens [0, 2c]); the documents "
-                               "are in the layout")
         return context_parallel_attention(q, k, v, layout, softmax_scale=softmax_scale, sliding_window=sliding_window,
                                           softcap=softcap, tile=tile)
 
-    llama.attention = attend
-    try:
-        yield layout
-    finally:
-        llama.attention = original
+    attention.zigzag_dispatch = True
+    attention.__doc__ = f"{inner.__doc__ or ''}\n\n(ftlib.distributed.context_parallel: shard_segments markers " \
+                        f"go to the zigzag attention.)"
+    llama.attention = attention
+
+
+def shard_segments(layout: ZigzagLayout, device=None, *, tile: int = 512) -> torch.Tensor:
+    """The ``cu_seqlens`` ([0, 2c] int32) to run this rank's shard with: ftlib's decoder then attends over the
+    whole sharded sequence (module doc), in forward and in any recomputation of it in backward."""
+    n = 2 * layout.chunk
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    _install_dispatch()
+    _SHARDS[cu] = (layout, int(tile))
+    return cu
 
 
 def context_parallel_loss(model, batch: dict, *, tile: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,9 +381,8 @@ def context_parallel_loss(model, batch: dict, *, tile: int = 512) -> tuple[torch
     """
     layout, ids, targets = batch["layout"], batch["input_ids"], batch["targets"]
     n = ids.shape[1]
-    cu = torch.tensor([0, n], dtype=torch.int32, device=ids.device)
-    with context_parallel_scope(layout, tile=tile):
-        hidden = model.model(ids, position_ids=batch["position_ids"], cu_seqlens=cu, max_seqlen=n)
+    cu = shard_segments(layout, ids.device, tile=tile)
+    hidden = model.model(ids, position_ids=batch["position_ids"], cu_seqlens=cu, max_seqlen=n)
     # chunked_cross_entropy shifts (hidden[:, :-1] predicts labels[:, 1:]): one label-free row in front of the
     # targets and one hidden row after the shard's make that shift the identity
     hidden = torch.cat([hidden, hidden.new_zeros(1, 1, hidden.shape[-1])], dim=1)

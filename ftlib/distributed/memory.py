@@ -88,7 +88,8 @@ written as bytes per token, tensor by tensor (``activation_terms``; a = 2 bytes,
 path: flash-attn or ftlib's Triton kernel, which keep q, k, v, o and the fp32 lse), with activation
 checkpointing on every block:
 
-    checkpointed block inputs      L a H            (activation offload: on the host; 2 a H on the GPU,
+    checkpointed block inputs      L a H            (activation offload, ``ftlib.long_context.offload_checkpoints``:
+                                                    on the host; 2 a H on the GPU,
                                                     the block recomputed and the next one brought back)
     block recompute: norms         a H + 8 + 2 a H  (the first norm's input is the checkpointed one)
     block recompute: attention     a (Hq D + 2 Hkv D) + a Hq D + 4 Hq

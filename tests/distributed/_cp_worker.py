@@ -1,7 +1,7 @@
 """torchrun worker for tests/distributed/test_context_parallel.py: ``_cp_worker.py OUT``.
 
 Every rank runs the tiny LoRA model on its zigzag shard of one packed row and sums the gradients
-over the group; rank 0 writes ``OUT/result.json`` with the largest differences from the one-process
+over the group (as it is, with every block checkpointed, and with offloaded checkpoints and a chunked MLP); rank 0 writes ``OUT/result.json`` with the largest differences from the one-process
 loss and gradients, for the code as it is and with two bugs put in on purpose (a skipped key block,
 the mirrored chunk's causal mask one key too far), which must be far off.
 """
@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cp_common import build, one_process, packed_batch  # noqa: E402
 
 import ftlib.distributed.context_parallel as cp  # noqa: E402
+from ftlib.long_context import chunk_mlp, offload_checkpoints  # noqa: E402
 
 
 def run(model, batch):
@@ -47,6 +48,10 @@ def main():
     model, batch = build(), packed_batch()
     ref = one_process(model, batch)
     result = {"exact": diffs(model, batch, ref), "world": dist.get_world_size()}
+    checkpointed = build()
+    checkpointed.set_gradient_checkpointing(1)  # the blocks' recomputation in backward attends over the ring too
+    result["checkpointed"] = diffs(checkpointed, batch, ref)
+    result["offload_chunks"] = diffs(offload_checkpoints(chunk_mlp(build(), 3), copy_cpu=True), batch, ref)
 
     blocks = cp._visible_blocks
     cp._visible_blocks = lambda world, rank: blocks(world, rank)[:-1]  # bug 1: the last key block never arrives

@@ -110,10 +110,19 @@ def test_zigzag_balances_the_causal_blocks(world):
     assert sorted(idx.tolist()) == list(range(4 * world))
 
 
-def test_one_rank_equals_the_model_loss():
-    """world 1 through the same path (padding to an even length included): loss and every gradient."""
+@pytest.mark.parametrize("memory", [None, "checkpoint", "offload+chunks"])
+def test_one_rank_equals_the_model_loss(memory):
+    """world 1 through the same path (padding to an even length included): loss and every gradient; also with
+    the blocks checkpointed, or offloaded-checkpointed with a chunked MLP, whose recomputation in backward
+    must attend through the shard again."""
+    from ftlib.long_context import chunk_mlp, offload_checkpoints
+
     model, batch = build(), packed_batch()
     ref_loss, ref_grads = one_process(model, batch)
+    if memory == "checkpoint":
+        model.set_gradient_checkpointing(1)
+    elif memory == "offload+chunks":
+        offload_checkpoints(chunk_mlp(model, 3), copy_cpu=True)
     model.zero_grad(set_to_none=True)
     shard = zigzag_shard(batch, world=1, rank=0)
     assert shard["layout"].pad == 1  # 47 tokens -> 48
@@ -146,7 +155,8 @@ def test_ranks_equal_one_process(tmp_path, world):
     run_torchrun(WORKER, tmp_path, timeout=120, nproc=world)
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["world"] == world
-    exact = r["exact"]
-    assert exact["n_grads"] == 2 * 7 * 2 and exact["loss"] <= 1e-5 and exact["grad"] <= 1e-5, exact
+    for case in ("exact", "checkpointed", "offload_chunks"):
+        d = r[case]
+        assert d["n_grads"] == 2 * 7 * 2 and d["loss"] <= 1e-5 and d["grad"] <= 1e-5, (case, d)
     for bug in ("skip_block", "mirrored_off_by_one"):
         assert r[bug]["loss"] > 1e-4 or r[bug]["grad"] > 1e-3, (bug, r[bug])
