@@ -26,7 +26,9 @@ group, zigzag chunks, all-gathered K/V), ``export``
 
 from .checkpoint import ShardedCheckpointer, save_sharded_checkpoint
 from .context_parallel import (
+    ContextParallelLMLoss,
     ZigzagLayout,
+    context_groups,
     context_parallel_attention,
     context_parallel_loss,
     shard_segments,
@@ -49,10 +51,12 @@ from .sharding import (
 )
 
 __all__ = [
+    "ContextParallelLMLoss",
     "DistEnv",
     "MemoryEstimate",
     "ShardedCheckpointer",
     "ZigzagLayout",
+    "context_groups",
     "context_parallel_attention",
     "context_parallel_loss",
     "decoder_blocks",

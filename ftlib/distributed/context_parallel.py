@@ -62,9 +62,11 @@ self-attention (another length, a key padding mask) raises.
 The block math here is PyTorch (float32 scores, float64 stays float64), tiled by ``tile`` rows
 each way: exact and O(tile^2) memory, the test oracle of the layout; not a fused kernel.
 
-    batch = zigzag_shard(global_batch, group)        # {input_ids, labels, position_ids, layout} of this rank
-    loss_sum, n = context_parallel_loss(model, batch)  # this rank's summed loss, all ranks' target count
-    (loss_sum / n).backward(); sum_gradients(model.parameters(), group)   # equal to one process
+    group, g = context_groups(4)                      # 4 ranks a sequence; group g takes sequence g
+    train = shard_model(ContextParallelLMLoss(model))  # FSDP2 over every rank (optional)
+    shard = zigzag_shard(batch_of_group_g, group)      # {input_ids, position_ids, targets, layout} of this rank
+    loss_sum, n = train(shard)                         # this rank's tokens' summed loss and count
+    opt.backward(loss_sum, n)                          # TrainOptimizer: n all-reduced, FSDP2's average undone
 """
 
 from __future__ import annotations
@@ -78,7 +80,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..losses import IGNORE_INDEX, chunked_cross_entropy, head_weight
 
 __all__ = [
+    "ContextParallelLMLoss",
     "ZigzagLayout",
+    "context_groups",
     "context_parallel_attention",
     "context_parallel_loss",
     "shard_segments",
@@ -374,10 +378,12 @@ def shard_segments(layout: ZigzagLayout, device=None, *, tile: int = 512) -> tor
 
 
 def context_parallel_loss(model, batch: dict, *, tile: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's summed token loss, the target count of all ranks) of ``model`` on a ``zigzag_shard`` batch.
+    """(summed token loss, target count) of this rank's tokens of a ``zigzag_shard`` batch, as ``causal_lm_loss``.
 
-    Sum the first over the group (or, for gradients, ``(loss_sum / n).backward()`` on every rank then
-    :func:`sum_gradients`) for the one-process ``causal_lm_loss`` divided by its count.
+    Summed over the group both are the one-process ``causal_lm_loss``'s. So a loop treats the ranks
+    of a sequence like data-parallel ranks: ``TrainOptimizer.backward(loss, n)`` (which all-reduces n
+    and scales for gradients averaged by FSDP2 / DDP), or without a wrapper
+    ``(loss / n_all).backward()`` then :func:`sum_gradients`.
     """
     layout, ids, targets = batch["layout"], batch["input_ids"], batch["targets"]
     n = ids.shape[1]
@@ -389,15 +395,34 @@ def context_parallel_loss(model, batch: dict, *, tile: int = 512) -> tuple[torch
     labels = torch.cat([targets.new_full((1, 1), IGNORE_INDEX), targets], dim=1)
     cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     loss, _ = chunked_cross_entropy(hidden, head_weight(model.lm_head), labels, softcap=cap)
-    count = (targets != IGNORE_INDEX).sum().to(torch.int64).reshape(1)
-    if layout.world > 1:
-        count = count.to(_comm_device(layout.group, ids.device))
-        dist.all_reduce(count, group=layout.group)
-    return loss, count.cpu().reshape(())
+    return loss, (targets != IGNORE_INDEX).sum().to(torch.int64).cpu()
 
 
-def _comm_device(group, device: torch.device) -> torch.device:
-    return device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+class ContextParallelLMLoss(torch.nn.Module):
+    """``shard -> context_parallel_loss(model, shard)`` as a module: the one FSDP2 wraps (``shard_model``),
+    as ``ftlib.losses.CausalLMLoss`` is for whole sequences (the head's weight is read inside its forward)."""
+
+    def __init__(self, model: torch.nn.Module, *, tile: int = 512):
+        super().__init__()
+        self.model, self.tile = model, tile
+
+    def forward(self, shard: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return context_parallel_loss(self.model, shard, tile=self.tile)
+
+
+def context_groups(size: int):
+    """(this rank's context group, its index among the groups) for consecutive groups of ``size`` ranks:
+    ranks [g size, (g + 1) size) share a sequence, the G = world / size groups take different ones
+    (data parallel across groups; FSDP2 may shard over all ranks). Every rank must call it (new_group)."""
+    world, rank = _group_size_rank(None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
+        raise ValueError(f"context_groups: size must divide the world size {world}, got {size!r}")
+    mine = None
+    for g in range(world // size):
+        group = dist.new_group(list(range(g * size, (g + 1) * size)))
+        if g == rank // size:
+            mine = group
+    return mine, rank // size
 
 
 def sum_gradients(params, group=None) -> None:

@@ -1,7 +1,8 @@
 """torchrun worker for tests/distributed/test_context_parallel.py: ``_cp_worker.py OUT``.
 
 Every rank runs the tiny LoRA model on its zigzag shard of one packed row and sums the gradients
-over the group (as it is, with every block checkpointed, and with offloaded checkpoints and a chunked MLP); rank 0 writes ``OUT/result.json`` with the largest differences from the one-process
+over the group (as it is, with every block checkpointed, and with offloaded checkpoints and a chunked MLP;
+and under FSDP2 over every rank with context groups of 2 ranks, each group on its own sequence); rank 0 writes ``OUT/result.json`` with the largest differences from the one-process
 loss and gradients, for the code as it is and with two bugs put in on purpose (a skipped key block,
 the mirrored chunk's causal mask one key too far), which must be far off.
 """
@@ -17,22 +18,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cp_common import build, one_process, packed_batch  # noqa: E402
 
 import ftlib.distributed.context_parallel as cp  # noqa: E402
+from ftlib.distributed import shard_model  # noqa: E402
 from ftlib.long_context import chunk_mlp, offload_checkpoints  # noqa: E402
+
+
+def _all_sum(x: torch.Tensor, group=None) -> torch.Tensor:
+    x = x.detach().clone().reshape(1).double()
+    dist.all_reduce(x, group=group)
+    return x
 
 
 def run(model, batch):
     model.zero_grad(set_to_none=True)
     shard = cp.zigzag_shard(batch)
     loss, n = cp.context_parallel_loss(model, shard, tile=4)  # tiles smaller than a chunk: the tiling runs too
-    (loss / n).backward()
+    n_all = _all_sum(n).float()
+    (loss / n_all).backward()
     cp.sum_gradients(model.parameters())
-    total = (loss / n).detach().reshape(1)
-    dist.all_reduce(total)
-    return float(total), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    return float(_all_sum(loss / n_all)), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
 
 
-def diffs(model, batch, ref):
-    loss, grads = run(model, batch)
+def run_fsdp(size, batches):
+    """FSDP2 over every rank, context groups of ``size`` ranks, group g on ``batches[g]``: FSDP2 averages the
+    gradients over the world, so the loss is scaled by it (what TrainOptimizer.backward does)."""
+    group, g = cp.context_groups(size)
+    train = shard_model(cp.ContextParallelLMLoss(build(), tile=4))
+    loss, n = train(cp.zigzag_shard(batches[g], group))
+    n_all = _all_sum(n).float()
+    (loss * dist.get_world_size() / n_all).backward()
+    grads = {k.removeprefix("model."): p.grad.full_tensor() for k, p in train.named_parameters() if p.grad is not None}
+    return float(_all_sum(loss / n_all)), grads
+
+
+def diffs(model, batch, ref, runner=None):
+    loss, grads = runner() if runner else run(model, batch)
     ref_loss, ref_grads = ref
     assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
     worst = max(((g - ref_grads[k]).abs().max().item(), k) for k, g in grads.items())
@@ -52,6 +71,10 @@ def main():
     checkpointed.set_gradient_checkpointing(1)  # the blocks' recomputation in backward attends over the ring too
     result["checkpointed"] = diffs(checkpointed, batch, ref)
     result["offload_chunks"] = diffs(offload_checkpoints(chunk_mlp(build(), 3), copy_cpu=True), batch, ref)
+    world = dist.get_world_size()
+    # FSDP2 and context parallel on one set of ranks: 2 ranks a sequence, world / 2 sequences (a 2-D layout)
+    batches = [packed_batch(1 + g) for g in range(world // 2)]
+    result["fsdp2"] = diffs(None, None, one_process(build(), *batches), runner=lambda: run_fsdp(2, batches))
 
     blocks = cp._visible_blocks
     cp._visible_blocks = lambda world, rank: blocks(world, rank)[:-1]  # bug 1: the last key block never arrives

@@ -148,14 +148,16 @@ def test_bad_input_is_refused():
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_equal_one_process(tmp_path, world):
-    """gloo, fp32: loss and every gradient (LoRA adapters and all) within 1e-5 of one process; the bugs far off."""
+    """gloo, fp32: loss and every gradient (LoRA adapters and all) within 1e-5 of one process, also with
+    checkpointing, offloaded checkpoints + chunked MLP, and FSDP2 over all ranks with context groups of 2
+    (world / 2 sequences: 2 x 2 on 4 ranks); the bugs far off."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from _torchrun import run_torchrun
 
     run_torchrun(WORKER, tmp_path, timeout=120, nproc=world)
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["world"] == world
-    for case in ("exact", "checkpointed", "offload_chunks"):
+    for case in ("exact", "checkpointed", "offload_chunks", "fsdp2"):
         d = r[case]
         assert d["n_grads"] == 2 * 7 * 2 and d["loss"] <= 1e-5 and d["grad"] <= 1e-5, (case, d)
     for bug in ("skip_block", "mirrored_off_by_one"):
