@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import ftlib.long_context as lc
 from ftlib.long_context import (
     chunk_mlp,
+    chunk_norms,
     chunked_apply,
     offload_checkpoints,
     peak_saved_bytes,
@@ -43,17 +44,21 @@ def _run(model, ids):
 
 @settings(max_examples=20, deadline=None)
 @given(t=st.integers(1, 23), b=st.integers(1, 2), chunks=st.integers(1, 30), lora=st.booleans(),
-       ckpt=st.sampled_from([None, "block", "mlp"]), fused=st.booleans())
-def test_chunked_mlp_equals_unchunked(t, b, chunks, lora, ckpt, fused):
+       ckpt=st.sampled_from([None, "block", "mlp"]), fused=st.booleans(), norms=st.booleans(),
+       qk_norm=st.sampled_from([None, "head"]))
+def test_chunked_mlp_equals_unchunked(t, b, chunks, lora, ckpt, fused, norms, qk_norm):
     """float64: hidden states and the gradient of every trainable tensor (LoRA factors, or all weights),
-    any K (more chunks than tokens included), with block / MLP checkpointing on top, fused gate_up too."""
-    model = _model(lora=lora, fused_proj=fused)
+    any K (more chunks than tokens included), with block / MLP checkpointing on top, fused gate_up too;
+    with the norms chunked as well (per-head q/k norms included: chunked along T, not the heads)."""
+    model = _model(lora=lora, fused_proj=fused, qk_norm=qk_norm)
     if ckpt:
         model.set_gradient_checkpointing(1, part=ckpt)
     ids = torch.randint(0, 37, (b, t), generator=torch.Generator().manual_seed(t))
     want_h, want_g = _run(model, ids)
     keys = list(model.state_dict())
     chunk_mlp(model, chunks)
+    if norms:
+        chunk_norms(model, chunks)
     assert list(model.state_dict()) == keys  # same module tree, same checkpoint keys
     got_h, got_g = _run(model, ids)
     torch.testing.assert_close(got_h, want_h, rtol=0, atol=1e-12)
@@ -61,7 +66,7 @@ def test_chunked_mlp_equals_unchunked(t, b, chunks, lora, ckpt, fused):
     for k, g in want_g.items():
         torch.testing.assert_close(got_g[k], g, rtol=0, atol=1e-12, msg=k)
     unchunk_mlp(model)
-    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP" and type(model.model.norm).__name__ == "RMSNorm"
 
 
 def test_dropout_masks_are_replayed_in_the_recomputation():

@@ -95,9 +95,11 @@ checkpointing on every block:
     block recompute: attention     a (Hq D + 2 Hkv D) + a Hq D + 4 Hq
     block recompute: MLP           4 a I / K        (``ftlib.long_context.chunk_mlp``: K sequence chunks)
     block recompute: LoRA          a r per adapted linear (+ in, its 1-byte dropout mask); the MLP's / K
-    block backward: gradients      2 a H + max(a Hq D + a (Hq D + 2 Hkv D) + 4 Hq,  3 a I / K)
+    block backward: gradients      2 a H + max(a Hq D + a (Hq D + 2 Hkv D) + 4 Hq,  3 a I / K,  12 H / K)
                                    (dy and dx of the residual; then either dO, dq, dk, dv and the fp32
-                                   rowsum(dO O) of the attention backward, or d gate, d up, d h of a chunk)
+                                   rowsum(dO O) of the attention backward, or d gate, d up, d h of an MLP
+                                   chunk, or an RMSNorm backward's fp32 n, g and dx: with K > 1 the norms
+                                   are taken as chunked too, ``ftlib.long_context.chunk_norms``)
     head: final norm + loss        2 H + 4 + 2 H + 4  (the loss's dL/dh, computed in forward)
     batch + RoPE tables            3 x 8 (ids, labels, positions) + 2 a R (cos, sin)
 
@@ -271,7 +273,7 @@ def activation_terms(config, *, lora_targets: dict[str, int] | None = None, lora
     lora = sum((a * lora_r + (n if lora_dropout > 0 else 0)) / (k if name in _MLP_LINEARS else 1)
                for name, n in targets.items())
     norms, attn = 2 * (a * h + 4 + a * h), a * (hq * d + 2 * hkv * d) + a * hq * d + 4 * hq
-    grads = 2 * a * h + max(a * hq * d + a * (hq * d + 2 * hkv * d) + 4 * hq, 3 * a * i / k)
+    grads = 2 * a * h + max(a * hq * d + a * (hq * d + 2 * hkv * d) + 4 * hq, 3 * a * i / k, 12 * h / k)
     head = [("head: final norm + loss", 2 * h + 4 + 2 * h + 4, 0),
             ("batch + RoPE tables", 3 * 8 + 2 * a * config.rotary_dim, 0)]
     if not grad_ckpt:
