@@ -38,8 +38,9 @@ largest term left once the MLP is chunked. Here each block is checkpointed by th
 recompute-in-backward as the chunks (RNG and autocast replayed), and its input is copied to
 pinned host memory on a side stream in forward and back on another in backward, the previous
 block's copy starting when a block's backward starts, so the transfer overlaps a block's
-recomputation (at 8B, 8 KiB a token each way per block against ~1.7 GFLOP a token of recompute
-and backward: on PCIe 4 (~25 GB/s) that hides behind ~50 TFLOP/s of compute).
+recomputation. At 8B sizes a block moves 8 KiB a token each way (0.33 us a token at PCIe 4's
+~25 GB/s) against at least 3 x 436 MFLOP a token of recomputation and backward without attention
+(2.6 us a token at 500 TFLOP/s), so the copies hide behind the compute; not yet measured on a GPU.
 
 Reference: Liu et al. 2023 ("Blockwise Parallel Transformer": blockwise feed-forward over the
 sequence); Unsloth's long-context notes (chunked MLP and offloaded checkpoints).
