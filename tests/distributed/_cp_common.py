@@ -17,10 +17,11 @@ CFG = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layer
 DOCS = (9, 14, 3, 21)  # 47 tokens: padded to 48 on 2 and 4 ranks (chunks of 12 and 6)
 
 
-def build() -> torch.nn.Module:
+def build(qlora: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**CFG))
-    apply_lora(model, LoRAConfig(r=3, alpha=8, target_modules="all-linear"), verbose=False)
+    nf4 = dict(quantize="nf4", double_quant=True) if qlora else {}
+    apply_lora(model, LoRAConfig(r=3, alpha=8, target_modules="all-linear", **nf4), verbose=False)
     for name, p in model.named_parameters():  # nonzero B, so every adapter factor has a gradient to compare
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)

@@ -110,14 +110,14 @@ def test_zigzag_balances_the_causal_blocks(world):
     assert sorted(idx.tolist()) == list(range(4 * world))
 
 
-@pytest.mark.parametrize("memory", [None, "checkpoint", "offload+chunks"])
+@pytest.mark.parametrize("memory", [None, "checkpoint", "offload+chunks", "qlora"])
 def test_one_rank_equals_the_model_loss(memory):
     """world 1 through the same path (padding to an even length included): loss and every gradient; also with
     the blocks checkpointed, or offloaded-checkpointed with a chunked MLP, whose recomputation in backward
-    must attend through the shard again."""
+    must attend through the shard again; and on an NF4 (QLoRA) base."""
     from ftlib.long_context import chunk_mlp, offload_checkpoints
 
-    model, batch = build(), packed_batch()
+    model, batch = build(qlora=memory == "qlora"), packed_batch()
     ref_loss, ref_grads = one_process(model, batch)
     if memory == "checkpoint":
         model.set_gradient_checkpointing(1)
