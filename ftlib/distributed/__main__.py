@@ -116,7 +116,7 @@ def _max_context(args, config, methods, targets, offload, act_offload, long) -> 
     head = f"{'method':<7}{'cpu off':>8}{'act off':>8}" + "".join(f"{f'{g:g} GiB':>12}" for g in sizes)
     print("\nlongest sequence that fits (tokens; see ftlib/distributed/memory.py, 'Long context'):")
     print(head + "\n" + "-" * len(head))
-    out = []
+    out, hosts = [], []
     for meth in methods:
         for off in offload:
             for aoff in act_offload:
@@ -124,9 +124,16 @@ def _max_context(args, config, methods, targets, offload, act_offload, long) -> 
                          for g in sizes]
                 print(f"{meth:<7}{'yes' if off else '-':>8}{'yes' if aoff else '-':>8}"
                       + "".join(f"{n:>12,}" for n, _ in found))
+                hosts.append((meth, off, aoff, [e.host if e else 0 for _, e in found]))
                 out += [dict(method=meth, cpu_offload=off, activation_offload=aoff, gpu_gib=g, max_context=n,
                              total=e.total if e else None, host=e.host if e else None)
                         for g, (n, e) in zip(sizes, found)]
+    if any(any(h) for *_, h in hosts):
+        print("\nhost memory at that length (GiB, pinned: offloaded block inputs and CPU-offloaded shards):")
+        for meth, off, aoff, h in hosts:
+            if any(h):
+                print(f"{meth:<7}{'yes' if off else '-':>8}{'yes' if aoff else '-':>8}"
+                      + "".join(f"{x / 2**30:>12.1f}" for x in h))
     if args.json:
         for r in out:
             print(json.dumps(r))

@@ -323,10 +323,13 @@ def test_cli_max_context_table():
     r = _cli("--model", "llama-3.1-8b", "--max-context", "24", "80", "--lora-r", "32", "--lora-dropout", "0",
              "--qlora", "--mlp-chunks", "8", "--offload-activations", "both")
     assert r.returncode == 0, r.stderr
-    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("qlora")]
+    grid, host = r.stdout.split("host memory at that length")
+    rows = [line.split() for line in grid.splitlines() if line.startswith("qlora")]
     assert [row[2] for row in rows] == ["-", "yes"]
     small, big = (int(x.replace(",", "")) for x in rows[1][3:5])
     assert 0 < small < big and big >= 400_000 and int(rows[0][4].replace(",", "")) < big
+    host_row = next(line.split() for line in host.splitlines() if line.startswith("qlora"))
+    assert host_row[2] == "yes" and 0.9 * 32 * 8192 * big / 2**30 < float(host_row[4])  # the offloaded inputs
     assert "checkpointed block inputs" in r.stdout and "block recompute: MLP" in r.stdout
     r = _cli("--model", "llama-3.1-8b", "--max-context", "0")
     assert r.returncode == 2 and "--max-context: GPU sizes must be > 0" in r.stderr
