@@ -3,7 +3,7 @@
 Every rank runs the tiny LoRA model on its zigzag shard of one packed row and sums the gradients
 over the group (as it is, with every block checkpointed, and with offloaded checkpoints and a chunked MLP;
 and under FSDP2 over every rank with context groups of 2 ranks, each group on its own sequence); rank 0 writes ``OUT/result.json`` with the largest differences from the one-process
-loss and gradients, for the code as it is and with two bugs put in on purpose (a skipped key block,
+loss and gradients (and of the adapter after one step, saved in PEFT's format), for the code as it is and with two bugs put in on purpose (a skipped key block,
 the mirrored chunk's causal mask one key too far), which must be far off.
 """
 
@@ -16,10 +16,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cp_common import build, one_process, packed_batch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 import ftlib.distributed.context_parallel as cp  # noqa: E402
 from ftlib.distributed import shard_model  # noqa: E402
 from ftlib.long_context import chunk_mlp, offload_checkpoints  # noqa: E402
+from ftlib.lora import save_adapter  # noqa: E402
 
 
 def _all_sum(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -60,6 +62,23 @@ def diffs(model, batch, ref, runner=None):
             "n_grads": len(grads)}
 
 
+def adapter_after_step(model, reference, batch, out: Path) -> float:
+    """One SGD step (lr 1) from the context-parallel gradients still on ``model`` and one from the one-process
+    gradients of ``reference``; both adapters saved in PEFT's format: the largest difference of their tensors."""
+    one_process(reference, batch)
+    for m in (model, reference):
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.grad is not None:
+                    p -= p.grad
+    if dist.get_rank() != 0:
+        return 0.0
+    a, b = (load_file(save_adapter(m, out / name) / "adapter_model.safetensors")
+            for m, name in ((model, "cp-adapter"), (reference, "one-adapter")))
+    assert a.keys() == b.keys() and len(a) == 2 * 7 * 2
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 def main():
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
@@ -67,6 +86,7 @@ def main():
     model, batch = build(), packed_batch()
     ref = one_process(model, batch)
     result = {"exact": diffs(model, batch, ref), "world": dist.get_world_size()}
+    result["adapter"] = adapter_after_step(model, build(), batch, out)
     checkpointed = build()
     checkpointed.set_gradient_checkpointing(1)  # the blocks' recomputation in backward attends over the ring too
     result["checkpointed"] = diffs(checkpointed, batch, ref)
@@ -78,7 +98,7 @@ def main():
 
     blocks = cp._visible_blocks
     cp._visible_blocks = lambda world, rank: blocks(world, rank)[:-1]  # bug 1: the last key block never arrives
-    result["skip_block"] = diffs(model, batch, ref)
+    result["skip_block"] = diffs(build(), batch, ref)
     cp._visible_blocks = blocks
 
     mask, half = cp._tile_mask, 48 // 2
@@ -88,7 +108,7 @@ def main():
         return mask(shifted, kj, qdoc, kdoc, window)
 
     cp._tile_mask = off_by_one
-    result["mirrored_off_by_one"] = diffs(model, batch, ref)
+    result["mirrored_off_by_one"] = diffs(build(), batch, ref)
     cp._tile_mask = mask
     if dist.get_rank() == 0:
         (out / "result.json").write_text(json.dumps(result))

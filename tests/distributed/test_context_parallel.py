@@ -160,5 +160,6 @@ def test_ranks_equal_one_process(tmp_path, world):
     for case in ("exact", "checkpointed", "offload_chunks", "fsdp2"):
         d = r[case]
         assert d["n_grads"] == 2 * 7 * 2 and d["loss"] <= 1e-5 and d["grad"] <= 1e-5, (case, d)
+    assert r["adapter"] <= 1e-5, r["adapter"]  # the exported adapter after one step
     for bug in ("skip_block", "mirrored_off_by_one"):
         assert r[bug]["loss"] > 1e-4 or r[bug]["grad"] > 1e-3, (bug, r[bug])
