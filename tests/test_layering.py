@@ -10,7 +10,7 @@ Layers, bottom to top. A module imports only from its own layer or below, never 
     4  data          ftlib.data           (text -> token batches; takes a tokenizer, builds no model)
     5  augment       ftlib.augment        (acts on the token batches of data, via the kernels)
     6  training      ftlib.optim ftlib.clip ftlib.sched ftlib.losses ftlib.offload
-                     ftlib.embed_noise ftlib.nan_trace
+                     ftlib.embed_noise ftlib.nan_trace ftlib.long_context
     7  objectives    ftlib.preference ftlib.onpolicy ftlib.rl ftlib.evaluation ftlib.metrics
     8  checkpoint    ftlib.checkpoint     (saves the state of everything below)
     9  distributed   ftlib.distributed    (shards models, sharded checkpoints on checkpoint's format)
@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("ftlib.data",)),
     ("augment", ("ftlib.augment",)),
     ("training", ("ftlib.optim", "ftlib.clip", "ftlib.sched", "ftlib.losses", "ftlib.offload",
-                  "ftlib.embed_noise", "ftlib.nan_trace")),
+                  "ftlib.embed_noise", "ftlib.nan_trace", "ftlib.long_context")),
     ("objectives", ("ftlib.preference", "ftlib.onpolicy", "ftlib.rl", "ftlib.evaluation", "ftlib.metrics")),
     ("checkpoint", ("ftlib.checkpoint",)),
     ("distributed", ("ftlib.distributed",)),

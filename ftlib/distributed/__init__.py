@@ -17,12 +17,25 @@ Modules: ``sharding`` (``shard_model``, ``wrap_ddp``, ``device_mesh``, ``init_di
 rank fills only its shards from the safetensors rows it owns or the replayed constructor init;
 ``meta_model``, ``materialize_sharded``, ``shard_rows`` are its steps),
 ``checkpoint`` (``ShardedCheckpointer``, built on ``ftlib.checkpoint``'s format; they are read back by
-``ftlib.checkpoint.load_checkpoint``, which reads either kind on any number of ranks), ``export``
+``ftlib.checkpoint.load_checkpoint``, which reads either kind on any number of ranks),
+``context_parallel`` (``zigzag_shard``, ``context_parallel_loss``: one long packed sequence over a process
+group, zigzag chunks, all-gathered K/V), ``export``
 (``export_adapter``, ``export_merged``), ``memory`` (``estimate_memory``; the CLI
 ``python -m ftlib.distributed memory --model config.json --gpus 8 --lora-r 16 --qlora``).
 """
 
 from .checkpoint import ShardedCheckpointer, save_sharded_checkpoint
+from .context_parallel import (
+    ContextParallelLMLoss,
+    ZigzagLayout,
+    context_groups,
+    context_parallel_attention,
+    context_parallel_loss,
+    shard_segments,
+    sum_gradients,
+    zigzag_indices,
+    zigzag_shard,
+)
 from .export import export_adapter, export_merged
 from .memory import MemoryEstimate, estimate_memory
 from .sharded_load import init_sharded, load_sharded, materialize_sharded, meta_model, shard_rows
@@ -38,9 +51,14 @@ from .sharding import (
 )
 
 __all__ = [
+    "ContextParallelLMLoss",
     "DistEnv",
     "MemoryEstimate",
     "ShardedCheckpointer",
+    "ZigzagLayout",
+    "context_groups",
+    "context_parallel_attention",
+    "context_parallel_loss",
     "decoder_blocks",
     "device_mesh",
     "estimate_memory",
@@ -56,5 +74,9 @@ __all__ = [
     "save_sharded_checkpoint",
     "shard_model",
     "shard_rows",
+    "shard_segments",
+    "sum_gradients",
     "wrap_ddp",
+    "zigzag_indices",
+    "zigzag_shard",
 ]

@@ -82,6 +82,40 @@ and optimizer bytes equal a 2-rank FSDP2 run's, the NF4 bytes a real ``NF4Linear
 activation formula the tensors autograd saves; the gathered bytes, the totals and the host
 memory are computed, not measured (``benchmarks/bench_memory.py`` checks one GPU's totals).
 
+Long context (``mlp_chunks``, ``activation_offload``, ``context_parallel``; ``max_context``; the CLI's
+``--max-context``). At 100k+ tokens everything but the weights scales with T, so the activations are
+written as bytes per token, tensor by tensor (``activation_terms``; a = 2 bytes, bf16, the GPU code
+path: flash-attn or ftlib's Triton kernel, which keep q, k, v, o and the fp32 lse), with activation
+checkpointing on every block:
+
+    checkpointed block inputs      L a H            (activation offload, ``ftlib.long_context.offload_checkpoints``:
+                                                    on the host; 2 a H on the GPU,
+                                                    the block recomputed and the next one brought back)
+    block recompute: norms         a H + 8 + 2 a H  (the first norm's input is the checkpointed one)
+    block recompute: attention     a (Hq D + 2 Hkv D) + a Hq D + 4 Hq
+    block recompute: MLP           4 a I / K        (``ftlib.long_context.chunk_mlp``: K sequence chunks)
+    block recompute: LoRA          a r per adapted linear (+ in, its 1-byte dropout mask); the MLP's / K
+    block backward: gradients      2 a H + max(a Hq D + a (Hq D + 2 Hkv D) + 4 Hq,  3 a I / K,  12 H / K)
+                                   (dy and dx of the residual; then either dO, dq, dk, dv and the fp32
+                                   rowsum(dO O) of the attention backward, or d gate, d up, d h of an MLP
+                                   chunk, or an RMSNorm backward's fp32 n, g and dx: with K > 1 the norms
+                                   are taken as chunked too, ``ftlib.long_context.chunk_norms``)
+    head: final norm + loss        2 H + 4 + 2 H + 4  (the loss's dL/dh, computed in forward)
+    batch + RoPE tables            3 x 8 (ids, labels, positions) + 2 a R (cos, sin)
+
+plus one [rows, V] fp32 logit block. Without checkpointing a block keeps its whole A_block (above,
+input included) and every block is counted. Context parallelism over N ranks
+(``ftlib.distributed.context_parallel``): every term above at T / N tokens per rank, plus the
+all-gathered K and V of the layer in flight and their gradients, 2 x 2 a Hkv D per token of the
+whole sequence. The per-block terms with chunking are what autograd saves (tests/distributed/
+test_memory.py measures them with saved-tensor hooks at tiny sizes; the gradient working set and
+the attention kernel's are stated, not measured on CPU).
+
+``max_context(config, gpu_gib, ...)``: the largest T with ``total`` <= the usable memory, taken as
+``(1 - 0.05) * gpu_gib GiB - 1 GiB`` (5 % for the allocator's fragmentation, 1 GiB for the CUDA
+context and the cuBLAS / NCCL workspaces); ``total`` is affine in T past the loss block, so it is
+solved, then checked with one more estimate.
+
 ``PRESETS`` holds the sizes from the published config.json of a few models (``--model llama-3-70b``), so the
 calculator runs without a download.
 """
@@ -96,17 +130,22 @@ import torch
 
 from ..losses import auto_chunk_size
 
-__all__ = ["METHODS", "MemoryEstimate", "PRESETS", "activation_bytes_per_token", "estimate_memory"]
+__all__ = ["METHODS", "MemoryEstimate", "PRESETS", "activation_bytes_per_token", "activation_terms",
+           "block_lora_targets", "estimate_memory", "max_context", "usable_bytes"]
 
 METHODS = ("full", "lora", "qlora")
 GiB = 2**30
 _LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 8192,
            "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
            "vocab_size": 128256}
-#: the sizes of Meta-Llama-3-8B's and -70B's config.json (Hugging Face meta-llama/Meta-Llama-3-*)
+#: the sizes of Meta-Llama-3-8B's, Llama-3.1-8B's and Meta-Llama-3-70B's config.json (Hugging Face meta-llama/*)
 PRESETS = {
     "llama-3-8b": _LLAMA3 | {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
                              "num_hidden_layers": 32},
+    "llama-3.1-8b": _LLAMA3 | {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                               "num_hidden_layers": 32, "max_position_embeddings": 131072,
+                               "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
     "llama-3-70b": _LLAMA3 | {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
                               "num_hidden_layers": 80},
 }
@@ -133,6 +172,10 @@ class MemoryEstimate:
     load_host: int = 0  # host bytes per rank at the peak of sharded loading
 
     gathered_embed: int = 0
+    mlp_chunks: int = 1
+    activation_offload: bool = False
+    context_parallel: int = 1
+    activation_host: int = 0  # host bytes of the offloaded checkpointed block inputs (part of ``host``)
 
     @property
     def total(self) -> int:
@@ -176,9 +219,16 @@ def _nf4_parts(out_f: int, in_f: int, blocksize: int = 64) -> list[tuple[int, in
     return [((n + 1) // 2, 1), (nb, 1), (-(-nb // 256), 4), (1, 4), (256, 4)]
 
 
+_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
 def activation_bytes_per_token(config, *, lora_targets: dict[str, int] | None = None, lora_r: int = 0,
-                               lora_dropout: float = 0.0, train_norms: bool = False, act_bytes: int = 2) -> int:
+                               lora_dropout: float = 0.0, train_norms: bool = False, act_bytes: int = 2,
+                               mlp_chunks: int = 1) -> int | float:
     """A_block of the module doc: bytes one decoder block saves for backward per token.
+
+    ``mlp_chunks`` K: the MLP runs over K sequence chunks (``ftlib.long_context.chunk_mlp``), so its
+    intermediates and its adapters' tensors are held for T / K tokens at once (a float when K > 1).
 
     ``lora_targets``: {linear leaf name: in_features} of the adapted linears of one block, with
     rank ``lora_r``; ``train_norms``: the RMSNorm gains are trained (full fine-tuning), which keeps
@@ -188,12 +238,52 @@ def activation_bytes_per_token(config, *, lora_targets: dict[str, int] | None = 
     hq, hkv, d, a = config.num_attention_heads, config.num_key_value_heads, config.head_dim, act_bytes
     per = 2 * (a * h + 4 + a * h)  # two RMSNorms: the input, the fp32 1/rms, the output (the next linear's input)
     per += a * (hq * d + 2 * hkv * d) + a * hq * d + 4 * hq  # q, k, v; the attention output; fp32 lse
-    per += 4 * a * i  # gate, up, silu(gate), silu(gate) * up
-    for n_in in (lora_targets or {}).values():
-        per += a * lora_r  # lora_A's output, kept by lora_B
-        if lora_dropout > 0:
-            per += n_in  # the 1-byte keep mask; the input itself is what the base linear keeps
-    return int(per)
+    mlp = 4 * a * i  # gate, up, silu(gate), silu(gate) * up
+    for name, n_in in (lora_targets or {}).items():
+        one = a * lora_r + (n_in if lora_dropout > 0 else 0)  # lora_A's output (kept by lora_B); the 1-byte
+        if name in _MLP_LINEARS:                               # keep mask (the input is the base linear's)
+            mlp += one
+        else:
+            per += one
+    return int(per + mlp) if mlp_chunks == 1 else per + mlp / mlp_chunks
+
+
+def block_lora_targets(config, lora_r: int = 16, lora_targets="all-linear") -> dict[str, int]:
+    """{leaf name: in_features} of the linears of block 0 that LoRA adapts (``ftlib.lora.plan_lora`` on a meta model)."""
+    from ..lora import LoRAConfig, plan_lora
+    from ..models import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_config(config))
+    _, planned, _ = plan_lora(model, LoRAConfig(r=lora_r, alpha=2 * lora_r, target_modules=lora_targets))
+    return {n.split(".")[-1]: mod.in_features for n, mod in planned if n.startswith("model.layers.0.")}
+
+
+def activation_terms(config, *, lora_targets: dict[str, int] | None = None, lora_r: int = 0,
+                     lora_dropout: float = 0.0, mlp_chunks: int = 1, grad_ckpt: bool = True,
+                     activation_offload: bool = False, act_bytes: int = 2) -> list[tuple[str, float, float]]:
+    """(tensor, GPU bytes per token, host bytes per token) of the long-context table in the module doc.
+
+    ``config``: what :func:`estimate_memory` takes; ``lora_targets``: as ``block_lora_targets`` gives."""
+    config = _config(config)
+    h, i, n_layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    hq, hkv, d, a = config.num_attention_heads, config.num_key_value_heads, config.head_dim, act_bytes
+    k = mlp_chunks
+    targets = lora_targets or {}
+    lora = sum((a * lora_r + (n if lora_dropout > 0 else 0)) / (k if name in _MLP_LINEARS else 1)
+               for name, n in targets.items())
+    norms, attn = 2 * (a * h + 4 + a * h), a * (hq * d + 2 * hkv * d) + a * hq * d + 4 * hq
+    grads = 2 * a * h + max(a * hq * d + a * (hq * d + 2 * hkv * d) + 4 * hq, 3 * a * i / k, 12 * h / k)
+    head = [("head: final norm + loss", 2 * h + 4 + 2 * h + 4, 0),
+            ("batch + RoPE tables", 3 * 8 + 2 * a * config.rotary_dim, 0)]
+    if not grad_ckpt:
+        block = norms + attn + 4 * a * i / k + lora
+        return [(f"{n_layers} blocks' saved tensors", n_layers * block, 0), ("block backward: gradients", grads, 0)] + head
+    offload = [("checkpointed block inputs", 2 * a * h, n_layers * a * h)] if activation_offload else [
+        ("checkpointed block inputs", n_layers * a * h, 0)]
+    return offload + [("block recompute: norms", norms - a * h, 0), ("block recompute: attention", attn, 0),
+                      ("block recompute: MLP", 4 * a * i / k, 0), ("block recompute: LoRA", lora, 0),
+                      ("block backward: gradients", grads, 0)] + head
 
 
 def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: int | None = None,
@@ -201,7 +291,8 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
                     batch_size: int = 1,
                     seq_len: int = 2048, grad_ckpt: bool = True, optimizer: str = "adamw",
                     dtype: torch.dtype = torch.bfloat16, loss_chunk: int | None = None,
-                    cpu_offload: bool = False) -> MemoryEstimate:
+                    cpu_offload: bool = False, mlp_chunks: int = 1, activation_offload: bool = False,
+                    context_parallel: int = 1) -> MemoryEstimate:
     """Estimate one rank's memory for fine-tuning ``config``: a ``LlamaConfig``, a config.json, the folder
     holding one, a hub repo id (``ftlib.models.load_config``) or the name of a ``PRESETS`` entry.
 
@@ -210,6 +301,9 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
     magnitude vectors (their extra activations are not counted). ``dtype``: the frozen base and
     compute dtype (and the dtype weights are loaded in). ``batch_size`` x ``seq_len``: tokens per
     micro-batch per rank. ``cpu_offload``: FSDP2's CPU offload (also on one GPU: FSDP2 on one rank).
+    ``mlp_chunks``, ``activation_offload`` (the checkpointed block inputs in host memory) and
+    ``context_parallel`` (ranks one sequence is sharded over; ``seq_len`` is the whole sequence): see
+    "Long context" in the module doc.
     """
     from ..lora import LoRAConfig, plan_lora
     from ..models import LlamaForCausalLM
@@ -219,7 +313,8 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if optimizer not in ("adamw", "adamw8bit"):
         raise ValueError(f"optimizer must be adamw or adamw8bit, got {optimizer!r}")
-    for name, v in (("gpus", gpus), ("batch_size", batch_size), ("seq_len", seq_len), ("lora_r", lora_r)):
+    for name, v in (("gpus", gpus), ("batch_size", batch_size), ("seq_len", seq_len), ("lora_r", lora_r),
+                    ("mlp_chunks", mlp_chunks), ("context_parallel", context_parallel)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     s = gpus if shard_size is None else shard_size
@@ -235,7 +330,6 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
     base_b = torch.empty((), dtype=dtype).element_size()
     fsdp = s > 1 or cpu_offload  # FSDP2 units (gathered one or two at a time) rather than one whole model
     comp_b = 2 if fsdp or method == "full" else base_b  # bf16 compute (FSDP2 mixed precision / autocast)
-    n_layers = config.num_hidden_layers
 
     def unit_of(name: str) -> str:
         parts = name.split(".")
@@ -300,20 +394,62 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
         dequant = 2 * max(o * i for o, i in targets.values())
         fwd, bwd = fwd + dequant, bwd + dequant
 
-    t = batch_size * seq_len
-    h = config.hidden_size
+    cp = context_parallel
+    t = batch_size * (-(-seq_len // (2 * cp)) * 2 if cp > 1 else seq_len)  # tokens per rank (zigzag: 2 cp chunks)
     layer0 = {n.split(".")[-1]: i for n, (o, i) in targets.items() if n.startswith("model.layers.0.")}
-    per_block = activation_bytes_per_token(config, lora_targets=layer0, lora_r=lora_r, lora_dropout=lora_dropout,
-                                           train_norms=method == "full", act_bytes=2)
-    acts = (n_layers * 2 * h * t + per_block * t) if grad_ckpt else n_layers * per_block * t
+    terms = activation_terms(config, lora_targets=layer0, lora_r=lora_r, lora_dropout=lora_dropout,
+                             mlp_chunks=mlp_chunks, grad_ckpt=grad_ckpt, activation_offload=activation_offload)
+    acts = math.ceil(sum(g for _, g, _ in terms) * t)
+    act_host = math.ceil(sum(hb for _, _, hb in terms) * t)
+    if cp > 1:  # the all-gathered K and V of one layer and their gradients, for the whole sequence
+        acts += 2 * 2 * 2 * config.num_key_value_heads * config.head_dim * t * cp
     rows = loss_chunk or auto_chunk_size(config.vocab_size)
-    acts += (2 * h + 4 + 2 * h + 4) * t + min(rows, t) * config.vocab_size * 4
-    host = persistent + grads + opt if cpu_offload else 0
+    acts += min(rows, t) * config.vocab_size * 4
+    host = (persistent + grads + opt if cpu_offload else 0) + act_host
     load_host = (persistent if cpu_offload else 0) + max(loading.values(), default=0)
     if cpu_offload:  # the shards live on the host; only the gathered units and the activations on the GPU
         persistent = grads = opt = 0
     return MemoryEstimate(method, gpus, s, n_params, n_train, persistent, grads, opt, max(fwd, bwd, embed_phase), acts,
-                          fwd, bwd, cpu_offload, host, load_host, embed_phase)
+                          fwd, bwd, cpu_offload, host, load_host, embed_phase, mlp_chunks, activation_offload,
+                          context_parallel, act_host)
+
+
+def usable_bytes(gpu_gib: float) -> int:
+    """The bytes a run may allocate on a GPU of ``gpu_gib`` GiB: 95 % of it, less 1 GiB (module doc)."""
+    return int(0.95 * gpu_gib * GiB) - GiB
+
+
+def max_context(config, gpu_gib: float, **kwargs) -> tuple[int, MemoryEstimate | None]:
+    """(the largest ``seq_len`` whose ``total`` fits ``usable_bytes(gpu_gib)``, its estimate); (0, None) when
+    not even one loss block's worth of tokens fits. ``kwargs``: those of :func:`estimate_memory` but seq_len."""
+    if "seq_len" in kwargs:
+        raise ValueError("max_context: seq_len is what it solves for; do not pass it")
+    config = _config(config)
+    budget = usable_bytes(gpu_gib)
+    step = 2 * kwargs.get("context_parallel", 1) * 1024  # a multiple of the zigzag's 2N chunks
+    t1, t2 = 16 * step, 32 * step  # both past the loss block, where total is affine in T
+    e1, e2 = (estimate_memory(config, seq_len=t, **kwargs) for t in (t1, t2))
+    slope = (e2.total - e1.total) / (t2 - t1)
+    if e1.total > budget:
+        lo, hi = 0, t1  # short contexts: search (the loss block is not affine in T below its rows)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if estimate_memory(config, seq_len=mid, **kwargs).total <= budget else (lo, mid)
+        return (lo, estimate_memory(config, seq_len=lo, **kwargs)) if lo else (0, None)
+    t = t1 + int((budget - e1.total) / slope)
+    t -= t % (2 * kwargs.get("context_parallel", 1))
+    while estimate_memory(config, seq_len=t, **kwargs).total > budget:  # rounding: at most a step or two
+        t -= 2 * kwargs.get("context_parallel", 1)
+    return t, estimate_memory(config, seq_len=t, **kwargs)
+
+
+def format_terms(terms: list[tuple[str, float, float]]) -> str:
+    """The per-token table: bytes (and KiB) per token of each tensor on the GPU and on the host."""
+    lines = [f"{'tensor':<34}{'GPU B/token':>14}{'host B/token':>14}", "-" * 62]
+    for name, g, hb in terms:
+        lines.append(f"{name:<34}{g:>14,.0f}{hb:>14,.0f}")
+    lines.append(f"{'total':<34}{sum(g for _, g, _ in terms):>14,.0f}{sum(hb for _, _, hb in terms):>14,.0f}")
+    return "\n".join(lines)
 
 
 def format_table(estimates: list[MemoryEstimate], gpu_gib: float | None = None) -> str:
