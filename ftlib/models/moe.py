@@ -88,17 +88,26 @@ class MoEExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H], experts / weights [N, k] -> sum_j weights_j * expert_j(x) [N, H]."""
+    def project(self, name: str, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """One grouped product with the stacked weight ``name`` over expert-sorted rows (adapters override it)."""
+        return grouped_linear(x, getattr(self, name), sizes)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, project=None) -> torch.Tensor:
+        """x [N, H], experts / weights [N, k] -> sum_j weights_j * expert_j(x) [N, H].
+
+        ``project(name, rows, sizes)``: the grouped product to use (default ``self.project``; an
+        adapter wrapping this module passes its own, base plus low-rank term).
+        """
+        project = self.project if project is None else project
         k = experts.shape[-1]
         flat = experts.reshape(-1)  # (N*k,) one (token, expert) pair per entry
         order = torch.argsort(flat, stable=True)  # pairs sorted by expert, tokens in order within one
         sizes = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
         token = order // k  # (N*k,) the token of each sorted pair
-        h = grouped_linear(x[token], self.gate_up_proj, sizes)  # (N*k, 2I)
+        h = project("gate_up_proj", x[token], sizes)  # (N*k, 2I)
         g, u = h.chunk(2, dim=-1)
         h = swiglu(g, u) if self.act == "silu" else F.gelu(g, approximate="tanh") * u
-        o = grouped_linear(h, self.down_proj, sizes)  # (N*k, H)
+        o = project("down_proj", h, sizes)  # (N*k, H)
         o = (o * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, o)
 
