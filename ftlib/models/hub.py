@@ -30,6 +30,10 @@ before writing a weight file, so a crash in the middle leaves a directory that
 fails to load or holds the new weights, never the old shards under the old index
 or a mix of two saves.
 
+MoE checkpoints: the hub's per-expert tensors (``...mlp.experts.{e}.gate_proj.weight``, Mixtral's
+``block_sparse_moe.experts.{e}.w1``) are read into the stacked in-memory weights and written back
+per expert (``ftlib.models.moe_hub``), as transformers 5.25 writes them.
+
 ``save_pretrained`` writes only the tensor names of a plain ``LlamaForCausalLM``:
 a model with unmerged adapters (``base_layer`` / ``lora_A`` names) or NF4 weights
 is refused, because ``transformers`` would load those layers randomly initialised.

@@ -1,4 +1,5 @@
-"""One decoder for every dense family (Llama, Mistral, Qwen2/3, Gemma-2/3, Phi-3/4, OLMo-2, SmolLM3).
+"""One decoder for every family (Llama, Mistral, Qwen2/3, Gemma-2/3, Phi-3/4, OLMo-2, SmolLM3; MoE: Qwen3-MoE,
+Mixtral, Qwen2-MoE).
 
 Per block, with x [B, T, H] the residual stream, the norms placed by ``config.norm_layout``:
 
@@ -16,7 +17,10 @@ projection (OLMo-2); fused ``qkv_proj`` / ``gate_up_proj`` (Phi-3, split after t
 partial rotary (Phi-3); RoPE off per layer (SmolLM3); embeddings x sqrt(hidden) in the
 activations' dtype (Gemma); softmax scale ``query_pre_attn_scalar ** -0.5`` and attention logit
 soft-capping ``c * tanh(s / c)`` (Gemma-2); a sliding window per layer (``layer_types``: Mistral,
-Qwen, Gemma, Phi-3) and, for Gemma-3, a local RoPE base on the sliding layers. Attention is
+Qwen, Gemma, Phi-3) and, for Gemma-3, a local RoPE base on the sliding layers. In the MoE families
+M is, on the layers ``config.layer_is_moe`` selects, the sparse block of ``ftlib.models.moe`` (router,
+stacked experts, Qwen2-MoE's shared expert); ``forward(..., router_stats=RouterStats())`` collects
+its router logits for the auxiliary losses. Attention is
 grouped-query (Hq query heads share Hkv key/value heads) and goes through
 ``ftlib.kernels.attention``.
 
