@@ -53,7 +53,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> t
     ``sizes[g]`` rows of group g, in order (``sum(sizes) == M``). One GEMM per group on a contiguous
     slice; an empty group costs nothing.
     """
-    parts = [F.linear(rows, weight[g]) for g, rows in enumerate(x.split(sizes)) if sizes[g]]
+    ws = weight.unbind(0)  # one view per group; its backward stacks the gradients once (no E zero-filled copies)
+    parts = [F.linear(rows, ws[g]) for g, rows in enumerate(x.split(sizes)) if sizes[g]]
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
 
 
