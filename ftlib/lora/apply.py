@@ -265,6 +265,10 @@ def _apply_expert_lora(model: nn.Module, config: LoRAConfig) -> None:
     stacked = [n for n, m in model.named_modules() if isinstance(m, MoEExperts)]
     mlp_named = isinstance(config.target_modules, list) and any(
         matches_any(f"mlp.{p}", config.target_modules) for p in ("gate_proj", "up_proj", "down_proj"))
+    if stacked and config.quantize:
+        warnings.warn(f"apply_lora: quantize={config.quantize!r} quantizes nn.Linear layers; the stacked experts "
+                      f"({stacked[0]}, ...) stay in {model.get_submodule(stacked[0]).down_proj.dtype} "
+                      "(NF4 on stacked experts is not implemented)", stacklevel=3)
     if not chosen and stacked and mlp_named:
         names = stacked
         warnings.warn("apply_lora: target_modules adapt the dense / shared-expert MLPs only; the routed experts "

@@ -104,6 +104,29 @@ def test_peft_adapter_loads_in_ftlib_with_equal_logits_and_merges(case, params, 
         assert max_diff(merged(x), want) <= 1e-5
 
 
+def test_merged_export_loads_in_transformers_and_unmerged_save_is_refused(folders, tmp_path):
+    from ftlib.models import save_pretrained
+
+    ours = load_pretrained(folders("qwen2_moe"))
+    apply_lora(ours, LoRAConfig(r=2, target_modules=["o_proj", "gate_proj"], target_parameters=BOTH))
+    _randomise(ours, seed=3)
+    x = ids()
+    with torch.no_grad():
+        want = ours(x)
+    with pytest.raises(ValueError, match="unmerged adapters"):
+        save_pretrained(ours, tmp_path / "adapted")
+    save_pretrained(merge_and_unload(ours), tmp_path / "merged")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        assert max_diff(back(x).logits, want) <= 1e-5
+
+
+def test_nf4_leaves_stacked_experts_unquantized_with_a_warning(folders):
+    ours = load_pretrained(folders("qwen3_moe"))
+    with pytest.warns(UserWarning, match="stacked experts .* stay in torch.float32"):
+        apply_lora(ours, LoRAConfig(target_modules=["q_proj"], quantize="nf4"))
+
+
 def test_router_is_never_adapted_and_experts_only_config(folders):
     ours = load_pretrained(folders("qwen3_moe"))
     with pytest.raises(ValueError, match="names the router"):
