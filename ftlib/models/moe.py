@@ -29,7 +29,8 @@ router_stats=stats)``) and gives the auxiliary losses a loop adds to its loss:
 
 over the tokens of ``token_mask`` (the forward's ``attention_mask`` by default: padding never
 counts; a packed row's documents all count). ``tokens_per_expert()`` gives the per-layer counts
-for logging expert utilisation.
+and ``utilisation()`` their summary for a log line (busiest / idlest expert's load against an even
+split, idle experts).
 
 References: Shazeer et al. 2017 (sparsely-gated MoE), Fedus et al. 2021 (Switch Transformer),
 Jiang et al. 2024 (Mixtral), Qwen Team 2024/2025 (Qwen2-MoE, Qwen3); transformers 5.25's
@@ -222,6 +223,17 @@ class RouterStats:
             total = total + (torch.logsumexp(z.float(), dim=-1).square() * m).sum()
             rows = rows + m.sum()
         return total / rows
+
+    def utilisation(self) -> dict[str, float]:
+        """Expert utilisation for a log line: over the sparse layers, the busiest and idlest expert's load
+        relative to an even split (1.0 = balanced), and how many (layer, expert) pairs got no token."""
+        counts = self.tokens_per_expert()
+        if counts.numel() == 0:
+            return {}
+        even = counts.sum(-1, keepdim=True) / self.num_experts  # (L, 1) tokens an expert gets when balanced
+        load = counts / even.clamp(min=1e-12)
+        return {"expert_load_max": float(load.max()), "expert_load_min": float(load.min()),
+                "experts_idle": float((counts == 0).sum())}
 
     def tokens_per_expert(self) -> torch.Tensor:
         """(sparse layers, E) float counts of counted tokens routed to each expert (no gradient)."""

@@ -325,6 +325,11 @@ def test_aux_loss_gradient_and_counts_match_transformers(folders):
     for layer, z in enumerate(out.router_logits):  # counts are the top-k choices of transformers' router
         want = torch.bincount(torch.topk(z, 2, dim=-1).indices.reshape(-1), minlength=5).float()
         assert torch.equal(counts[layer], want)
+    u = stats.utilisation()
+    load = counts / (counts.sum(-1, keepdim=True) / 5)
+    assert u == {"expert_load_max": float(load.max()), "expert_load_min": float(load.min()),
+                 "experts_idle": float((counts == 0).sum())}
+    assert u["expert_load_max"] > 1.0 > u["expert_load_min"]
     zl = torch.stack([torch.logsumexp(z, -1).square().mean() for z in out.router_logits]).mean()
     assert abs(stats.z_loss().item() - zl.item()) <= 1e-5
 
