@@ -4,6 +4,7 @@
     python benchmarks/bench_train.py --quick           # smoke run: vocab 8192, one round, small budget
     python benchmarks/bench_train.py --profile         # ftlib's step by phase (wall and CPU time), top ops
     python benchmarks/bench_train.py --device cuda --gpu-1b --budget-s 90   # GPU table: Llama-3.2-1B shape, bf16, MFU
+    python benchmarks/bench_train.py --family qwen3_moe --quick      # the MoE job (below), ftlib vs transformers + peft
 
 Duration knobs: ``--tokens`` / ``--tokens-large`` (real-token budget per run), ``--rounds`` /
 ``--rounds-large``, ``--variants``, ``--vocab``, ``--budget-s`` (no run starts after it, a running
@@ -22,6 +23,15 @@ memory): ftlib packs documents into rows of that length (best-fit decreasing), t
 variants take ``round(seq_len / mean length)`` documents per batch (as many real tokens on
 average). Each variant trains on the same budget of real tokens, then scores the same held-out
 documents.
+
+``--family qwen3_moe``: the same job on a Qwen3-MoE-shaped model (6 layers, hidden 512, GQA 8/4,
+head_dim 64, q/k norms, 8 routed experts of width 352, top-2 renormalised: 704 active MLP columns a
+token against the dense job's 1408), LoRA r=16 / alpha=32 without dropout (PEFT's ``target_parameters``
+adapter takes none) on every linear layer and, per expert, on the stacked ``mlp.experts.gate_up_proj``
+/ ``down_proj`` (``target_parameters``); the router stays frozen. Both libraries add
+``router_aux_loss_coef`` (0.001) x the load-balancing loss over the real tokens to the training
+loss (transformers: ``output_router_logits=True``, its default grouped-mm experts; ftlib:
+``RouterStats`` with the pads masked). TFLOP/s is not counted for it (nan).
 
 Variants:
   ftlib            ftlib's model, packed rows (cu_seqlens: no token sees another document), the
@@ -119,6 +129,23 @@ def gemm_rel_error() -> float:
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(256 << 20)}
 LR = 3e-3
 LORA = dict(r=16, alpha=32, dropout=0.05)
+MOE_LORA = dict(r=16, alpha=32, dropout=0.0, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+FAMILIES = ("llama", "qwen3_moe")
+
+
+def _family(args) -> str:
+    return (args.get("family") if isinstance(args, dict) else getattr(args, "family", None)) or "llama"
+
+
+def lora_kwargs(args) -> dict:
+    """The job's adapter settings (beside ``target_modules="all-linear"``)."""
+    return MOE_LORA if _family(args) == "qwen3_moe" else LORA
+
+
+def shape_tag(args) -> str:
+    if getattr(args, "gpu_1b", False):
+        return "llama-3.2-1b"
+    return "6x512-qwen3moe-8x2" if _family(args) == "qwen3_moe" else "6x512"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,8 +157,12 @@ def model_shape(args) -> dict:
         return dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                     num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0)
     layers = args.get("layers") if isinstance(args, dict) else getattr(args, "layers", None)
-    return dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=layers or 6, num_attention_heads=8,
-                num_key_value_heads=4, tie_word_embeddings=False, rope_theta=10000.0)
+    shape = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=layers or 6, num_attention_heads=8,
+                 num_key_value_heads=4, tie_word_embeddings=False, rope_theta=10000.0)
+    if _family(args) == "qwen3_moe":
+        shape.update(model_type="qwen3_moe", head_dim=64, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=352, norm_topk_prob=True)
+    return shape
 
 
 class Corpus:
@@ -236,6 +267,8 @@ def flops_model(shape: dict, vocab: int):
 def step_flops(shape: dict, vocab: int, lens: list[int], n_target: int) -> float:
     """Model FLOPs of one LoRA training step on documents of ``lens`` tokens with ``n_target`` targets:
     ``FlopsModel.flops`` (PaLM's convention; padding and cross-document attention not counted)."""
+    if shape.get("num_experts"):
+        return float("nan")  # FlopsModel counts every parameter: an MoE token uses only its experts
     pairs = sum(n * (n + 1) // 2 for n in lens)
     return flops_model(shape, vocab).flops(sum(lens), n_target, pairs)
 
@@ -354,19 +387,27 @@ def ftlib_phases(model, opt, clip, device):
     import torch
 
     from ftlib.losses import chunked_cross_entropy
+    from ftlib.models import RouterStats
 
     state = {}
+    moe = model.config.num_experts > 0
 
     def forward(batch):
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         state["batch"] = batch
+        # MoE: the router losses over the real tokens (pad id 0 never occurs in the corpus)
+        state["router"] = RouterStats(token_mask=batch["input_ids"] != 0) if moe else None
         with opt.autocast():
             state["hidden"] = model.model(batch["input_ids"], position_ids=batch["position_ids"],
-                                          cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"])
+                                          cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"],
+                                          router_stats=state["router"])
 
     def loss():
         with opt.autocast():
-            state["loss"] = chunked_cross_entropy(state["hidden"], model.lm_head.weight, state["batch"]["labels"])
+            loss_sum, n = chunked_cross_entropy(state["hidden"], model.lm_head.weight, state["batch"]["labels"])
+        if moe:  # mean CE + coef * aux, as transformers' loss: the sum carries n x the aux term
+            loss_sum = loss_sum + model.config.router_aux_loss_coef * state["router"].load_balancing_loss() * n
+        state["loss"] = (loss_sum, n)
 
     def backward():
         opt.backward(*state["loss"])
@@ -446,6 +487,7 @@ def worker_hf(spec):
     train, heldout = corpora(spec)
     model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.bfloat16 if spec["bf16"] else torch.float32,
                                                  attn_implementation="sdpa")
+    moe = getattr(model.config, "num_experts", 0) > 0  # the loss then adds coef x the load-balancing loss
     model = PeftModel.from_pretrained(model.to(device), spec["adapter"], is_trainable=True)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -489,7 +531,7 @@ def worker_hf(spec):
     def step(batch):
         batch = {k: v.to(device) for k, v in batch.items()}
         with amp:
-            out = model(**batch, use_cache=False)
+            out = model(**batch, use_cache=False, **({"output_router_logits": True} if moe else {}))
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)  # one multi-tensor pass (CPU default: a loop)
         opt.step()
@@ -550,7 +592,7 @@ def make_initial_weights(work: str, vocab: int, args) -> tuple[str, str]:
     from ftlib.lora import LoRAConfig, apply_lora, save_adapter
     from ftlib.models import LlamaConfig, LlamaForCausalLM, save_pretrained
 
-    tag = f"{vocab}-L{model_shape(args)['num_hidden_layers']}"
+    tag = f"{vocab}-L{model_shape(args)['num_hidden_layers']}-{_family(args)}"
     base, adapter = os.path.join(work, f"base-{tag}"), os.path.join(work, f"adapter-{tag}")
     if os.path.exists(os.path.join(adapter, "adapter_config.json")):
         return base, adapter
@@ -561,7 +603,7 @@ def make_initial_weights(work: str, vocab: int, args) -> tuple[str, str]:
     if args.bf16:
         model.to(torch.bfloat16)
     save_pretrained(model, base)
-    apply_lora(model, LoRAConfig(target_modules="all-linear", **LORA), verbose=False)
+    apply_lora(model, LoRAConfig(target_modules="all-linear", **lora_kwargs(args)), verbose=False)
     save_adapter(model, adapter, task_type="CAUSAL_LM")
     return base, adapter
 
@@ -679,7 +721,7 @@ def write_csv(path, args, vocab, results, summary, peak_tflops=None):
                 lr = (r["heldout_loss"] - med[b]["heldout_loss"]) / med[b]["heldout_loss"] if b else float("nan")
                 mfu = r["tflops"] / peak_tflops if peak_tflops else float("nan")
                 w.writerow([date, args.device, dev_name, args.threads, f"{r.get('load_avg', float('nan')):.2f}",
-                            torch.__version__, ftlib.__version__, "llama-3.2-1b" if args.gpu_1b else "6x512", vocab,
+                            torch.__version__, ftlib.__version__, shape_tag(args), vocab,
                             r.get("seq_len"), _budget(args, vocab), i, v, f"{r['tokens_per_s']:.1f}",
                             f"{r['tokens_per_cpu_s']:.1f}", f"{r['tflops']:.3f}", f"{mfu:.4f}", f"{r['peak_mb']:.0f}",
                             f"{r['train_loss']:.5f}", f"{r['heldout_loss']:.5f}", r["steps"], f"{r['timed_s']:.2f}",
@@ -708,7 +750,7 @@ def write_run_row(path, args, vocab, rnd, variant, r):
     g = (lambda k, fmt: format(r.get(k, nan), fmt)) if not r.get("failed") else (lambda k, fmt: "nan")
     append_row(path, RUN_FIELDS, [
         datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), args.device, dev_name,
-        torch.__version__, ftlib.__version__, "llama-3.2-1b" if args.gpu_1b else "6x512",
+        torch.__version__, ftlib.__version__, shape_tag(args),
         model_shape(args)["num_hidden_layers"], vocab, r.get("seq_len"), rnd, variant,
         "failed" if r.get("failed") else "ok", g("tokens_per_s", ".1f"), g("tflops", ".3f"), g("peak_mb", ".0f"),
         g("train_loss", ".5f"), g("heldout_loss", ".5f"), r.get("steps", 0), g("timed_s", ".2f"),
@@ -774,6 +816,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--gpu-1b", action="store_true", help="Llama-3.2-1B shape, vocab 128256, bf16")
+    ap.add_argument("--family", default="llama", choices=FAMILIES, help="the job's model: the dense Llama shape or "
+                    "a Qwen3-MoE of the same width (8 experts, top-2)")
     ap.add_argument("--bf16", action="store_true", help="bf16 base weights and autocast (implied by --gpu-1b)")
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting runs after this many seconds")
     ap.add_argument("--peak-tflops", type=float, default=None, help="device bf16 peak for MFU (default: by name)")
@@ -895,7 +939,7 @@ def main(argv=None):
                                 seq_len=args.seq_len if first else args.seq_len_large, max_len=args.max_len,
                                 warmup_steps=args.warmup_steps + (1 if v == "ftlib-compile" else 0),
                                 max_s=max(5.0, args.budget_s - (time.perf_counter() - t_start))
-                                if args.budget_s else 1e9, gpu_1b=args.gpu_1b)
+                                if args.budget_s else 1e9, gpu_1b=args.gpu_1b, family=args.family)
                     r = spawn(spec, work)
                     results[v].append(r)
                     write_run_row(os.path.join(args.out, "train_runs.csv"), args, vocab, rnd, v, r)

@@ -20,6 +20,12 @@ LoRA+ (Hayou et al., arXiv:2402.12354) trains B with a learning rate ``ratio`` t
 that of A (ratio ~ 16): ``ftlib.optim.param_groups(model, lr=..., lora_plus_ratio=16)`` returns
 the optimizer groups (the one place parameter groups are built).
 
+Stacked MoE experts (``target_parameters``) get a per-expert LoRA (``ftlib.lora.experts``): the
+``experts`` module becomes a ``LoRAExperts``; merge, unmerge, ``merge_and_unload`` and
+``disable_adapters`` treat it like the linear adapters. Naming ``gate_proj`` / ``up_proj`` /
+``down_proj`` in ``target_modules`` of an MoE model adapts the dense and shared-expert MLPs only,
+as in PEFT; a warning says the routed experts need ``target_parameters``.
+
 ``disable_adapters(model)`` runs the base model with no copy of any weight (the DPO
 reference model at zero memory cost). Modules in ``modules_to_save`` are trained in
 place, so inside the context they keep their trained values; a warning says so.
@@ -37,8 +43,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.moe import MoEExperts
 from ._match import in_modules_to_save, is_target, matches_any, resolve_all_linear
 from .config import LoRAConfig
+from .experts import ExpertLoRA, LoRAExperts, expert_targets
 from .layers import LoRALinear
 from .nf4 import NF4Linear
 
@@ -47,6 +55,7 @@ __all__ = [
     "apply_lora",
     "count_params",
     "disable_adapters",
+    "expert_lora_modules",
     "get_lora_config",
     "lora_layers",
     "merge_and_unload",
@@ -141,7 +150,11 @@ def plan_lora(model: nn.Module, config: LoRAConfig) -> tuple[LoRAConfig, list[tu
     if config.target_modules == "all-linear":
         config = config.replace(target_modules=resolve_all_linear(model))
     targets = [(n, m) for n, m in model.named_modules() if n and is_target(n, config)]
-    if not targets:
+    if expert_targets(model, config.target_parameters):  # raises for an entry that matches nothing
+        if config.dropout or config.use_dora or config.quantize:
+            raise ValueError("apply_lora: LoRA on stacked experts (target_parameters) takes no dropout, DoRA or "
+                             "NF4 base (as PEFT's ParamWrapper); set dropout=0, use_dora=False, quantize=None")
+    elif not targets:
         linears = _linear_names(model)
         raise ValueError(
             f"apply_lora: target_modules={config.target_modules!r} matched no module; "
@@ -222,6 +235,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
             use_rslora=config.use_rslora, use_dora=config.use_dora, init=config.init,
         )
         _set_module(model, name, layer)
+    _apply_expert_lora(model, config)
     for name in save_names:
         mod = model.get_submodule(name)
         tied = {} if config.ensure_weight_tying else _tied_outside(model, name)
@@ -243,6 +257,41 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, verbose: bool = True) ->
     if verbose:
         log.info("apply_lora: %d layers adapted; %s", n_targets, count_params(model))
     return model
+
+
+def _apply_expert_lora(model: nn.Module, config: LoRAConfig) -> None:
+    """Wrap each targeted ``MoEExperts`` in a ``LoRAExperts`` (one ``ExpertLoRA`` per selected weight)."""
+    chosen = expert_targets(model, config.target_parameters)
+    stacked = [n for n, m in model.named_modules() if isinstance(m, MoEExperts)]
+    mlp_named = isinstance(config.target_modules, list) and any(
+        matches_any(f"mlp.{p}", config.target_modules) for p in ("gate_proj", "up_proj", "down_proj"))
+    if stacked and config.quantize:
+        warnings.warn(f"apply_lora: quantize={config.quantize!r} quantizes nn.Linear layers; the stacked experts "
+                      f"({stacked[0]}, ...) stay in {model.get_submodule(stacked[0]).down_proj.dtype} "
+                      "(NF4 on stacked experts is not implemented)", stacklevel=3)
+    if not chosen and stacked and mlp_named:
+        names = stacked
+        warnings.warn("apply_lora: target_modules adapt the dense / shared-expert MLPs only; the routed experts "
+                      f"({names[0]}, ...) are stacked weights: add target_parameters=['mlp.experts.gate_up_proj', "
+                      "'mlp.experts.down_proj'] to adapt them", stacklevel=3)
+    by_module: dict[str, list[str]] = {}
+    for mod_name, pname in chosen:
+        by_module.setdefault(mod_name, []).append(pname)
+    for mod_name, pnames in by_module.items():
+        base = model.get_submodule(mod_name)
+        adapters = {}
+        for pname in pnames:
+            w = getattr(base, pname)  # (E, out, in)
+            full = f"{mod_name}.{pname}"
+            adapters[pname] = ExpertLoRA(w.shape[0], w.shape[1], w.shape[2], config.rank_for(full),
+                                         config.alpha_for(full), use_rslora=config.use_rslora, init=config.init,
+                                         device=w.device, dtype=w.dtype)
+        _set_module(model, mod_name, LoRAExperts(base, adapters))
+
+
+def expert_lora_modules(model: nn.Module) -> list[tuple[str, LoRAExperts]]:
+    """``(name, module)`` for every ``LoRAExperts`` in ``model``."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRAExperts)]
 
 
 def _owner(module: nn.Module, pname: str) -> tuple[nn.Module, str]:
@@ -290,6 +339,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
             layer.base_layer.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
             object.__setattr__(layer, _TIED_BASE, shared)  # not registered: no state_dict entry
         layer.merge()
+    for _, experts in expert_lora_modules(model):
+        experts.merge()
     return model
 
 
@@ -300,13 +351,15 @@ def unmerge_lora(model: nn.Module) -> nn.Module:
         shared = layer.__dict__.pop(_TIED_BASE, None)
         if shared is not None:
             layer.base_layer.weight = shared
+    for _, experts in expert_lora_modules(model):
+        experts.unmerge()
     return model
 
 
 @contextlib.contextmanager
 def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block ``model`` computes with its base weights only (no weights are copied)."""
-    layers = [layer for _, layer in lora_layers(model)]
+    layers = [layer for _, layer in lora_layers(model)] + [m for _, m in expert_lora_modules(model)]
     if any(layer.merged for layer in layers):
         raise RuntimeError("disable_adapters: adapters are merged into the base weights; call unmerge_lora first")
     cfg = getattr(model, LORA_CONFIG_ATTR, None)
@@ -343,6 +396,9 @@ def merge_and_unload(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
         layer = model.get_submodule(name)
         layer.__dict__.pop(_TIED_BASE, None)
         _set_module(model, name, layer.to_linear(dtype))
+    for name, experts in expert_lora_modules(model):
+        experts.merge()
+        _set_module(model, name, experts.base_layer)
     for name in [n for n, m in model.named_modules() if isinstance(m, NF4Linear)]:
         _set_module(model, name, model.get_submodule(name).to_linear(dtype))
     if dtype is not None:

@@ -9,7 +9,9 @@ Targets follow PEFT's rules so an ``adapter_config.json`` means the same thing h
 ``target_modules`` as a list matches a module whose full name equals an entry or ends
 with ``"." + entry``; as a string it is a regex that must match the full name
 (``re.fullmatch``); the string ``"all-linear"`` means every ``nn.Linear`` except the
-output head. ``rank_pattern`` / ``alpha_pattern`` map a pattern ``p`` to a value for
+output head. ``target_parameters`` (PEFT's field of that name) selects stacked MoE expert weights
+(``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``) for a per-expert LoRA
+(``ftlib.lora.experts``); the router is never a target. ``rank_pattern`` / ``alpha_pattern`` map a pattern ``p`` to a value for
 modules whose name matches ``(.*\\.)?(p)$``, first matching pattern wins. ``from_peft_dict`` checks
 the JSON type and range of every field it reads (``"use_rslora": "false"`` or ``"modules_to_save":
 "lm_head"`` are refused, naming the file and the field).
@@ -32,6 +34,7 @@ __all__ = ["LoRAConfig"]
 _PEFT_FIELDS = (
     "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "rank_pattern", "alpha_pattern",
     "use_rslora", "use_dora", "init_lora_weights", "modules_to_save", "ensure_weight_tying", "bias",
+    "target_parameters",
 )
 # - bookkeeping that does not change what the adapter computes;
 _PEFT_METADATA = ("peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping",
@@ -41,7 +44,7 @@ _PEFT_METADATA = ("peft_type", "task_type", "base_model_name_or_path", "revision
 _PEFT_OFF = {
     "fan_in_fan_out": (False, None), "lora_bias": (False, None), "layers_to_transform": (None, []),
     "layers_pattern": (None, [], ""), "layer_replication": (None, []), "use_qalora": (False, None),
-    "trainable_token_indices": (None, [], {}), "target_parameters": (None, []), "alora_invocation_tokens": (None, []),
+    "trainable_token_indices": (None, [], {}), "alora_invocation_tokens": (None, []),
     "use_bdlora": (None, False), "megatron_config": (None,), "arrow_config": (None,), "loftq_config": (None, {}),
     "eva_config": (None,), "corda_config": (None,), "lora_ga_config": (None,), "kasa_config": (None,),
     "velora_config": (None,), "monteclora_config": (None,), "runtime_config": (None, {}, {"ephemeral_gpu_offload": False}),
@@ -57,7 +60,10 @@ class LoRAConfig:
         r: rank (> 0).
         alpha: scale numerator; the update is multiplied by ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA).
         dropout: dropout probability on the adapter input, in [0, 1).
-        target_modules: list of module-name suffixes, a full-name regex, or ``"all-linear"``.
+        target_modules: list of module-name suffixes, a full-name regex, or ``"all-linear"`` (may be empty
+            when ``target_parameters`` names what to adapt).
+        target_parameters: stacked MoE expert weights to adapt per expert (names or dotted suffixes of
+            ``...mlp.experts.gate_up_proj`` / ``...mlp.experts.down_proj``); None: no expert adapters.
         exclude_modules: list of suffixes or a regex of modules never adapted.
         rank_pattern / alpha_pattern: per-module overrides ``{pattern: value}``.
         use_rslora: rank-stabilised scaling ``alpha / sqrt(r)``.
@@ -83,6 +89,7 @@ class LoRAConfig:
     dropout: float = 0.0
     target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     exclude_modules: list[str] | str | None = None
+    target_parameters: list[str] | None = None
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     use_rslora: bool = False
@@ -121,7 +128,8 @@ class LoRAConfig:
             raise ValueError(f"LoRAConfig.quantize must be None or 'nf4', got {self.quantize!r}")
         if self.quantize_modules not in ("targets", "all"):
             raise ValueError(f"LoRAConfig.quantize_modules must be 'targets' or 'all', got {self.quantize_modules!r}")
-        if not self.target_modules:
+        self.target_parameters = list(self.target_parameters) if self.target_parameters else None
+        if not self.target_modules and not self.target_parameters:
             raise ValueError("LoRAConfig.target_modules is empty: name the modules to adapt")
 
     def rank_for(self, name: str) -> int:
@@ -145,7 +153,8 @@ class LoRAConfig:
             "r": self.r,
             "lora_alpha": self.alpha,
             "lora_dropout": self.dropout,
-            "target_modules": target_modules,
+            "target_modules": target_modules or None,  # None: experts only (PEFT's target_parameters alone)
+            "target_parameters": list(self.target_parameters) if self.target_parameters else None,
             "exclude_modules": self.exclude_modules,
             "rank_pattern": dict(self.rank_pattern),
             "alpha_pattern": dict(self.alpha_pattern),
@@ -198,7 +207,10 @@ class LoRAConfig:
             alpha=json_float(d, "lora_alpha", source, min=0, min_open=True),
             dropout=json_float(d, "lora_dropout", source, default=0.0, nullable=True, min=0, max=1,
                                max_open=True) or 0.0,
-            target_modules=json_str_list(d, "target_modules", source, or_str=True),
+            target_modules=json_str_list(d, "target_modules", source, or_str=True,
+                                         **({} if not d.get("target_parameters") else dict(default=None, nullable=True)))
+            or [],
+            target_parameters=json_str_list(d, "target_parameters", source, default=None, nullable=True) or None,
             exclude_modules=json_str_list(d, "exclude_modules", source, default=None, nullable=True, or_str=True),
             rank_pattern=json_dict(d, "rank_pattern", source, default=None, nullable=True, values="int",
                                    above=0) or {},

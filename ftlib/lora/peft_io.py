@@ -15,6 +15,10 @@ Tied weights, as PEFT 0.21 writes them: a ``modules_to_save`` weight kept tied w
 (``lm_head``, ``embed_tokens``) may come with its ``base_layer.weight``, which is checked
 against the model's and loaded into it when it differs (as PEFT does).
 
+Stacked MoE experts adapted through ``target_parameters`` are stored as PEFT's ``ParamWrapper``
+stores them (``ftlib.lora.experts``): ``<experts>[.base_layer].lora_A.weight`` [E*r, in] and
+``.lora_B.weight`` [out, r*E], converted from and to ftlib's [E, r, in] / [E, out, r] factors.
+
 Loading checks everything before copying anything: every adapter tensor the model
 expects must be in the file (one name of a tied weight is enough; several must agree),
 every tensor in the file must belong to an adapted or saved module of this model, and
@@ -40,6 +44,7 @@ from .._fields import json_str
 from ._match import matches_any
 from .apply import LORA_CONFIG_ATTR, apply_lora, get_lora_config, lora_layers, names_by_param, plan_lora
 from .config import LoRAConfig
+from .experts import LoRAExperts, expert_peft_keys, expert_targets, from_peft_layout, to_peft_layout
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_state_dict", "load_adapter", "save_adapter"]
 
@@ -56,7 +61,23 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors under PEFT's keys (CPU copies)."""
-    return {PEFT_PREFIX + k: _full(p) for k, p in adapter_params(model).items()}
+    out = {PEFT_PREFIX + k: _full(p) for k, p in adapter_params(model).items()}
+    for key, (mod, pname, which, _) in _expert_entries(model, get_lora_config(model)).items():
+        a, b = to_peft_layout(model.get_submodule(mod).adapters[pname])
+        out[PEFT_PREFIX + key] = _full(a if which == "A" else b)
+    return out
+
+
+def _expert_entries(model: nn.Module, cfg: LoRAConfig) -> dict[str, tuple[str, str, str, tuple[int, int]]]:
+    """``{PEFT key: (experts module, stacked parameter, "A" | "B", shape in the file)}`` for expert adapters."""
+    out = {}
+    for (mod, pname), stem in expert_peft_keys(expert_targets(model, cfg.target_parameters)).items():
+        m = model.get_submodule(mod)
+        e, o, i = getattr(m.base_layer if isinstance(m, LoRAExperts) else m, pname).shape
+        r = m.adapters[pname].r if isinstance(m, LoRAExperts) else cfg.rank_for(f"{mod}.{pname}")
+        out[f"{stem}.lora_A.weight"] = (mod, pname, "A", (e * r, i))
+        out[f"{stem}.lora_B.weight"] = (mod, pname, "B", (o, r * e))
+    return out
 
 
 def _saved_module_names(model: nn.Module, cfg: LoRAConfig) -> list[str]:
@@ -210,6 +231,8 @@ def load_adapter(
             for pname, p in layer.base_layer.named_parameters():
                 bases[f"{name}.base_layer.{pname}"] = (None, False) if layer.is_quantized else (p, True)
 
+    experts = _expert_entries(model, cfg)
+    shapes.update({k: v[3] for k, v in experts.items()})
     try:
         with safe_open(str(wfile), framework="pt") as f:
             loaded = {}
@@ -253,8 +276,18 @@ def load_adapter(
     params = adapter_params(model)
     layers = dict(lora_layers(model))
     with torch.no_grad():
+        pairs: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         for k, t in loaded.items():
+            if k in experts:
+                mod, pname, which, _ = experts[k]
+                pairs.setdefault((mod, pname), {})[which] = t
+                continue
             params[k].copy_(t.to(params[k].dtype))
+        for (mod, pname), ab in pairs.items():
+            adapter = model.get_submodule(mod).adapters[pname]
+            a, b = from_peft_layout(ab["A"], ab["B"], adapter.lora_A.shape[0])
+            adapter.lora_A.copy_(a.to(adapter.lora_A.dtype))
+            adapter.lora_B.copy_(b.to(adapter.lora_B.dtype))
         for k, t in base_loaded.items():  # as PEFT: the file's base weight replaces the model's
             target, _, pname = k.partition(".base_layer.")
             p = layers[target].base_layer.get_parameter(pname)

@@ -1,6 +1,8 @@
 """Llama-family models with Hugging Face checkpoint I/O and KV-cache generation.
 
-- ``LlamaConfig`` / ``LlamaForCausalLM``: the decoder (Llama 2/3/3.1/3.2, Qwen2/2.5, Mistral);
+- ``LlamaConfig`` / ``LlamaForCausalLM``: the decoder (Llama 2/3/3.1/3.2, Qwen2/2.5/3, Mistral, Gemma-2/3,
+  Phi-3, OLMo-2, SmolLM3, and the MoE families Qwen3-MoE, Mixtral, Qwen2-MoE);
+- ``RouterStats``: an MoE forward's router logits, load-balancing and z losses, per-expert counts;
 - ``load_pretrained`` / ``save_pretrained``: config.json + sharded safetensors, loaded tensor by tensor;
 - ``load_tokenizer``: tokenizer.json + special tokens + sandboxed chat template; ``check_vocab``: its ids fit
   the model's embedding;
@@ -15,6 +17,7 @@ from .config import LlamaConfig
 from .generate import KVCache, generate, sample_next
 from .hub import load_config, load_pretrained, parse_size, save_pretrained
 from .llama import LlamaForCausalLM, LlamaModel, RMSNorm
+from .moe import RouterStats
 from .reward import (
     LlamaRewardModel,
     load_reward_model,
@@ -35,6 +38,7 @@ __all__ = [
     "LlamaRewardModel",
     "PretrainedTokenizer",
     "RMSNorm",
+    "RouterStats",
     "SafetensorsReader",
     "apply_rope",
     "check_vocab",

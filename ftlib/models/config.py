@@ -16,7 +16,10 @@ Hugging Face ``config.json`` of these ``model_type`` values:
   (``fused_proj``), ``partial_rotary_factor``, ``longrope``;
 - ``olmo2``:   norms after attention and after the MLP, none before (``norm_layout="post"``), q/k
   norms over the whole projection (``qk_norm="proj"``);
-- ``smollm3``: RoPE off on the layers where ``no_rope_layers[i] == 0``.
+- ``smollm3``: RoPE off on the layers where ``no_rope_layers[i] == 0``;
+- ``qwen3_moe``, ``mixtral``, ``qwen2_moe``: the attention of Qwen3 / Mistral / Qwen2 with
+  mixture-of-experts feed-forward layers (the fields ``num_experts`` ... ``router_jitter_noise``, read
+  and checked by ``ftlib.models.moe_config``; the block is ``ftlib.models.moe``).
 
 RoPE scalings: ``linear``, ``dynamic``, ``yarn``, ``longrope``, ``llama3`` (``ftlib.models.rope``).
 ``from_hf_dict`` accepts both the classic layout (``rope_theta`` + ``rope_scaling``) and the newer
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._fields import json_bool, json_dict, json_float, json_int, json_int_list, json_str, json_str_list
+from .moe_config import check_moe, moe_hf_dict, read_moe
 from .rope import ROPE_TYPES
 
 __all__ = ["ARCHITECTURES", "FAMILIES", "LAYER_TYPES", "LlamaConfig"]
@@ -48,6 +52,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 
 _GEMMA = dict(norm_layout="sandwich", norm_offset=True, embed_scale=True, hidden_act="gelu_pytorch_tanh")
@@ -59,6 +64,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(_GEMMA, qk_norm="head"),
     "phi3": dict(fused_proj=True),
     "olmo2": dict(norm_layout="post", qk_norm="proj"),
+    "qwen3_moe": dict(qk_norm="head"), "mixtral": {}, "qwen2_moe": {},
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _ACTS = ("silu", "gelu_pytorch_tanh")
@@ -106,6 +112,16 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # mixture of experts (ftlib.models.moe_config): 0 experts = every layer dense
+    num_experts: int = 0  # routed experts per sparse layer
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int | None = None  # width of one routed expert
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1 (Mixtral: always)
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's sigmoid-gated shared expert, else None
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] | None = None  # ... and i is not listed here
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in the training loss
+    router_jitter_noise: float = 0.0  # Mixtral: x * U(1 - j, 1 + j) before routing, in training
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -137,6 +153,11 @@ class LlamaConfig:
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer ``i`` (None: full attention)."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def layer_is_moe(self, i: int) -> bool:
+        """Whether layer ``i`` holds a mixture-of-experts block (else the dense gated MLP)."""
+        return (self.num_experts > 0 and i not in (self.mlp_only_layers or [])
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     def layer_rope(self, i: int) -> str | None:
         """Which RoPE tables layer ``i`` uses: ``"global"``, ``"local"`` (Gemma-3's sliding layers) or None."""
@@ -194,11 +215,14 @@ class LlamaConfig:
                 raise ValueError(f"{source}: {name} must be > 0 or null, got {value!r}")
         if self.model_type == "qwen2" and (not self.qkv_bias or self.o_bias or self.mlp_bias):
             raise ValueError(f"{source}: qwen2 has bias on q/k/v only (qkv_bias=True, o_bias=False, mlp_bias=False)")
-        if self.model_type in ("mistral", "phi3") and (self.qkv_bias or self.o_bias or self.mlp_bias):
+        if self.model_type == "qwen2_moe" and (self.o_bias or self.mlp_bias):
+            raise ValueError(f"{source}: qwen2_moe has bias on q/k/v only (qkv_bias; o_bias=False, mlp_bias=False)")
+        if self.model_type in ("mistral", "phi3", "mixtral") and (self.qkv_bias or self.o_bias or self.mlp_bias):
             raise ValueError(f"{source}: {self.model_type} has no biases")
-        if self.model_type not in ("qwen2", "mistral", "phi3") and self.qkv_bias != self.o_bias:
+        if self.model_type not in ("qwen2", "mistral", "phi3", "mixtral", "qwen2_moe") and self.qkv_bias != self.o_bias:
             raise ValueError(f"{source}: {self.model_type}'s attention_bias covers q/k/v/o together "
                              "(qkv_bias must equal o_bias)")
+        check_moe(self, source)
         if self.rope_scaling is not None:
             self.rope_scaling = _check_rope_scaling(self.rope_scaling, self.max_position_embeddings, source,
                                                     self.rotary_dim)
@@ -228,14 +252,16 @@ class LlamaConfig:
 
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
-        elif model_type in ("mistral", "phi3"):
+        elif model_type == "qwen2_moe":
+            qkv_bias, o_bias = json_bool(d, "qkv_bias", source, default=True), False
+        elif model_type in ("mistral", "phi3", "mixtral"):
             qkv_bias = o_bias = False
         else:
             qkv_bias = o_bias = json_bool(d, "attention_bias", source, default=False)
-        if model_type in ("qwen2", "qwen3", "smollm3"):
+        if model_type in ("qwen2", "qwen3", "smollm3", "qwen3_moe", "qwen2_moe"):
             use_window = json_bool(d, "use_sliding_window", source, default=False)
         else:
-            use_window = model_type in ("mistral", "phi3", "gemma2", "gemma3_text")
+            use_window = model_type in ("mistral", "phi3", "gemma2", "gemma3_text", "mixtral")
         window = json_int(d, "sliding_window", source, default=None, nullable=True, min=1) if use_window else None
         if model_type == "gemma3_text" and json_bool(d, "use_bidirectional_attention", source, default=False,
                                                      nullable=True):
@@ -255,7 +281,9 @@ class LlamaConfig:
 
         known = set(f.name for f in dataclasses.fields(cls)) | {
             "rope_scaling", "attention_bias", "use_sliding_window", "hidden_activation", "rope_local_base_freq",
-            "use_bidirectional_attention"}
+            "use_bidirectional_attention", "num_local_experts"}
+        if model_type == "qwen2_moe":
+            known.add("qkv_bias")
         extra = {k: v for k, v in d.items() if k not in known and k not in _VOLATILE}
         kwargs = dict(
             model_type=model_type,
@@ -286,6 +314,7 @@ class LlamaConfig:
             bos_token_id=json_int(d, "bos_token_id", source, default=None, nullable=True),
             eos_token_id=eos,
             pad_token_id=json_int(d, "pad_token_id", source, default=None, nullable=True),
+            **read_moe(d, model_type, source),
             extra=extra,
         )
         try:
@@ -329,11 +358,16 @@ class LlamaConfig:
         d["hidden_activation" if mt in ("gemma2", "gemma3_text") else "hidden_act"] = self.hidden_act
         if mt in ("llama", "smollm3"):
             d.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-        elif mt in ("qwen3", "gemma2", "gemma3_text", "olmo2"):
+        elif mt in ("qwen3", "gemma2", "gemma3_text", "olmo2", "qwen3_moe"):
             d["attention_bias"] = self.qkv_bias
-        if mt in ("mistral", "phi3"):
+        elif mt == "qwen2_moe":
+            d["qkv_bias"] = self.qkv_bias
+        d.update(moe_hf_dict(self))
+        if mt in ("mistral", "phi3", "mixtral"):
             d["sliding_window"] = self.sliding_window
-        elif mt in ("qwen2", "qwen3", "smollm3"):
+        elif mt == "qwen3_moe":  # one window on every layer, no layer_types
+            d.update(use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window)
+        elif mt in ("qwen2", "qwen3", "smollm3", "qwen2_moe"):
             d.update(use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window,
                      layer_types=list(self.layer_types))
         elif mt in ("gemma2", "gemma3_text"):
@@ -376,7 +410,7 @@ def _read_rope(d: dict, model_type: str, source: str) -> tuple[float, dict | Non
         where = f"{source}: rope_parameters.full_attention"
         theta = json_float(rope_params, "rope_theta", where, default=1000000.0, min=0, min_open=True)
     else:
-        default_theta = 1000000.0 if model_type == "gemma3_text" else 10000.0
+        default_theta = 1000000.0 if model_type in ("gemma3_text", "mixtral") else 10000.0
         if "rope_theta" in d:
             theta = json_float(d, "rope_theta", source, min=0, min_open=True)
         else:
@@ -412,6 +446,9 @@ def _default_layer_types(d: dict, model_type: str, n: int, window: int | None, s
     if model_type == "gemma3_text":
         every = json_int(d, "sliding_window_pattern", source, default=6, min=1)
         return [sliding if (i + 1) % every else full for i in range(n)]
+    if model_type == "qwen2_moe":  # transformers' Qwen2MoeConfig: every other layer below max_window_layers
+        first = json_int(d, "max_window_layers", source, default=28, min=0)
+        return [sliding if window is not None and (i + 1) % 2 and i < first else full for i in range(n)]
     if model_type in ("qwen2", "qwen3"):
         first = json_int(d, "max_window_layers", source, default=28, min=0)
         return [sliding if window is not None and i >= first else full for i in range(n)]

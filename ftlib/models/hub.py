@@ -30,6 +30,10 @@ before writing a weight file, so a crash in the middle leaves a directory that
 fails to load or holds the new weights, never the old shards under the old index
 or a mix of two saves.
 
+MoE checkpoints: the hub's per-expert tensors (``...mlp.experts.{e}.gate_proj.weight``, Mixtral's
+``block_sparse_moe.experts.{e}.w1``) are read into the stacked in-memory weights and written back
+per expert (``ftlib.models.moe_hub``), as transformers 5.25 writes them.
+
 ``save_pretrained`` writes only the tensor names of a plain ``LlamaForCausalLM``:
 a model with unmerged adapters (``base_layer`` / ``lora_A`` names) or NF4 weights
 is refused, because ``transformers`` would load those layers randomly initialised.
@@ -53,6 +57,7 @@ from .._fields import json_dict
 from ._safetensors_io import SafetensorsReader
 from .config import ARCHITECTURES, LlamaConfig
 from .llama import LlamaForCausalLM
+from .moe_hub import is_hub_expert_tensor, read_expert_weights, to_hub_layout
 from .tokenizer import load_tokenizer, resolve_model_dir
 
 __all__ = ["load_config", "load_pretrained", "load_tokenizer", "parse_size", "save_pretrained"]
@@ -201,8 +206,13 @@ def load_pretrained(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | str
     expected = dict(model.state_dict(keep_vars=True))
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
+    moe = config.num_experts > 0  # the hub's per-expert tensors are stacked by read_expert_weights
     loaded = read_weights(model, root, expected, dtype=dtype, device=device, what=f"a {config.model_type} model",
-                           skip=lambda name: name == "lm_head.weight" and config.tie_word_embeddings)
+                           skip=lambda name: (name == "lm_head.weight" and config.tie_word_embeddings)
+                           or (moe and is_hub_expert_tensor(name)))
+    if moe:
+        loaded.update(read_expert_weights(checkpoint_tensors(root), lambda name, t: set_tensor(model, name, t),
+                                          root, expected, dtype=dtype, device=device))
 
     missing = sorted(set(expected) - set(loaded))
     if missing:
@@ -250,6 +260,12 @@ def _check_plain_names(state: dict, model: nn.Module, root: Path) -> None:
     raise ValueError(f"{root}: tensors that are not part of a {config.model_type} model: {shown}")
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and alone in its storage (a view of a stacked expert tensor is copied)."""
+    t = t.contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
 def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> list[str]:
     """Write ``model`` in the Hugging Face layout ``transformers`` loads; return the files written.
 
@@ -275,6 +291,8 @@ def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_
             raise ValueError(f"{root}: config says tie_word_embeddings=True, but lm_head.weight differs from "
                              "model.embed_tokens.weight; re-tie them or set tie_word_embeddings=False")
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    if config.num_experts:  # stacked experts -> the hub's per-expert tensors (views)
+        state = to_hub_layout(state, config.model_type)
 
     shards: list[list[str]] = [[]]
     size = 0
@@ -295,7 +313,7 @@ def save_pretrained(model: LlamaForCausalLM, path: str | os.PathLike, max_shard_
         (root / _INDEX).unlink()
     written = []
     for fname, keys in zip(names, shards):
-        tensors = {k: state[k].detach().to("cpu").contiguous() for k in keys}
+        tensors = {k: _own(state[k].detach().to("cpu")) for k in keys}
         atomic_write(root / fname, lambda tmp, tensors=tensors: save_file(tensors, str(tmp), metadata={"format": "pt"}))
         written.append(fname)
     if n > 1:

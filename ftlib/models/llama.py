@@ -1,4 +1,5 @@
-"""One decoder for every dense family (Llama, Mistral, Qwen2/3, Gemma-2/3, Phi-3/4, OLMo-2, SmolLM3).
+"""One decoder for every family (Llama, Mistral, Qwen2/3, Gemma-2/3, Phi-3/4, OLMo-2, SmolLM3; MoE: Qwen3-MoE,
+Mixtral, Qwen2-MoE).
 
 Per block, with x [B, T, H] the residual stream, the norms placed by ``config.norm_layout``:
 
@@ -16,7 +17,10 @@ projection (OLMo-2); fused ``qkv_proj`` / ``gate_up_proj`` (Phi-3, split after t
 partial rotary (Phi-3); RoPE off per layer (SmolLM3); embeddings x sqrt(hidden) in the
 activations' dtype (Gemma); softmax scale ``query_pre_attn_scalar ** -0.5`` and attention logit
 soft-capping ``c * tanh(s / c)`` (Gemma-2); a sliding window per layer (``layer_types``: Mistral,
-Qwen, Gemma, Phi-3) and, for Gemma-3, a local RoPE base on the sliding layers. Attention is
+Qwen, Gemma, Phi-3) and, for Gemma-3, a local RoPE base on the sliding layers. In the MoE families
+M is, on the layers ``config.layer_is_moe`` selects, the sparse block of ``ftlib.models.moe`` (router,
+stacked experts, Qwen2-MoE's shared expert); ``forward(..., router_stats=RouterStats())`` collects
+its router logits for the auxiliary losses. Attention is
 grouped-query (Hq query heads share Hkv key/value heads) and goes through
 ``ftlib.kernels.attention``.
 
@@ -69,6 +73,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..kernels import attention, linear_module, rms_norm, swiglu
 from .config import LlamaConfig
+from .moe import MoEExperts, RouterStats, SparseMoeBlock, TopKRouter
 from .rope import apply_rope, rope_attention_scaling, rope_cos_sin, rope_inv_freq
 
 __all__ = [
@@ -130,6 +135,7 @@ class BatchPlan:
     sin: torch.Tensor | None = None
     local_cos: torch.Tensor | None = None  # (B, T, R) the sliding layers' tables (Gemma-3), else None
     local_sin: torch.Tensor | None = None
+    router_stats: RouterStats | None = None  # filled by the sparse (MoE) layers when given
 
     @classmethod
     def build(cls, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None,
@@ -291,7 +297,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.moe = config.layer_is_moe(layer_idx)  # MoE families: a sparse block in place of the MLP
+        self.mlp = SparseMoeBlock(config, layer_idx) if self.moe else LlamaMLP(config)
         self.layout = config.norm_layout
         norm = dict(offset=config.norm_offset, scale_fp32=self.layout == "post")
         h, eps = config.hidden_size, config.rms_norm_eps
@@ -311,7 +318,9 @@ class LlamaDecoderLayer(nn.Module):
             return self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), plan))
         return self.post_attention_layernorm(self.self_attn(x, plan))
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+        if self.moe:  # pre layout (the MoE families); the router statistics go to the plan's collector
+            return self.mlp(self.post_attention_layernorm(x), plan.router_stats)
         if self.layout == "pre":
             return self.mlp(self.post_attention_layernorm(x))
         if self.layout == "sandwich":
@@ -320,7 +329,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def _block(self, x: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
         h = x + self._attn(x, plan)
-        return h + self._mlp(h)
+        return h + self._mlp(h, plan)
 
     def forward(self, x: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
         # Recomputation only pays when a backward will follow; decoding writes the cache and must run once.
@@ -332,8 +341,8 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h = x + self._attn(x, plan)
         if part == "mlp":
-            return h + checkpoint(self._mlp, h, use_reentrant=False)
-        return h + self._mlp(h)
+            return h + checkpoint(self._mlp, h, plan, use_reentrant=False)
+        return h + self._mlp(h, plan)
 
 
 class LlamaModel(nn.Module):
@@ -356,9 +365,13 @@ class LlamaModel(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         kv_cache: Any = None,
+        router_stats: RouterStats | None = None,
     ) -> torch.Tensor:
         plan = BatchPlan.build(input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen, kv_cache)
         cfg = self.config
+        if router_stats is not None:  # MoE: the sparse layers record their router logits there
+            router_stats.begin(attention_mask, cfg.num_experts, cfg.num_experts_per_tok)
+            plan.router_stats = router_stats
         x = self.embed_tokens(input_ids)  # (B, T, H)
         if cfg.embed_scale:  # Gemma: sqrt(hidden) rounded to the activations' dtype first, as the reference
             x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
@@ -440,6 +453,8 @@ class LlamaForCausalLM(nn.Module):
                 nn.init.zeros_(m.bias)
         elif isinstance(m, RMSNorm):
             (nn.init.zeros_ if m.offset else nn.init.ones_)(m.weight)
+        elif isinstance(m, (TopKRouter, MoEExperts)):  # stacked MoE weights: N(0, initializer_range) too
+            m.init_weights(std)
 
     def tie_weights(self) -> None:
         """Share ``lm_head.weight`` with ``model.embed_tokens.weight`` when the config ties them."""
@@ -469,10 +484,11 @@ class LlamaForCausalLM(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         kv_cache: Any = None,
+        router_stats: RouterStats | None = None,
     ) -> torch.Tensor:
         hidden = self.model(
             input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, kv_cache=kv_cache,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, kv_cache=kv_cache, router_stats=router_stats,
         )
         return self.logits(hidden)
 

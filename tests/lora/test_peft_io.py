@@ -366,7 +366,7 @@ def test_peft_fields_are_read_by_an_allow_list(base, tmp_path):
     peft.get_peft_model(copy.deepcopy(base), pc).save_pretrained(tmp_path / "real")
     real = json.loads((tmp_path / "real" / "adapter_config.json").read_text())
     load_adapter(copy.deepcopy(base), tmp_path / "real")  # every default field accepted
-    for key, value in [("use_qalora", True), ("trainable_token_indices", [1, 2]), ("target_parameters", ["mlp.w"]),
+    for key, value in [("use_qalora", True), ("trainable_token_indices", [1, 2]),
                        ("lora_ga_config", {"bsz": 2}), ("eva_config", {"rho": 2.0}), ("kasa_config", {"beta": 0.1}),
                        ("layer_replication", [[0, 1]]), ("monteclora_config", {"n": 1}), ("fan_in_fan_out", True),
                        ("some_future_option", {"on": True})]:
@@ -378,6 +378,12 @@ def test_peft_fields_are_read_by_an_allow_list(base, tmp_path):
         with pytest.raises(ValueError, match=f"field '{key}'=.* (is not supported by ftlib|is not one ftlib implements)"):
             load_adapter(plain, tmp_path / key)
         assert not list(lora_layers(plain))
+    (tmp_path / "stacked").mkdir()  # target_parameters is read (MoE experts); on a dense model it names the entry
+    (tmp_path / "stacked" / "adapter_config.json").write_text(json.dumps(dict(real, target_parameters=["mlp.w"])))
+    (tmp_path / "stacked" / "adapter_model.safetensors").write_bytes(
+        (tmp_path / "real" / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="target_parameters entry 'mlp.w' matched no stacked expert weight"):
+        load_adapter(copy.deepcopy(base), tmp_path / "stacked")
     (tmp_path / "newer").mkdir()
     (tmp_path / "newer" / "adapter_config.json").write_text(json.dumps(dict(real, some_future_option=None)))
     (tmp_path / "newer" / "adapter_model.safetensors").write_bytes(
