@@ -4,14 +4,13 @@
     python examples/sft.py --model meta-llama/Llama-3.1-8B-Instruct --data chat.jsonl \\
         --eval-data heldout.jsonl --qlora --out runs/llama-qlora
     torchrun --nproc_per_node=8 examples/sft.py --engine fsdp --model ... --data ... --out runs/x
-    python examples/sft.py ... --resume                            # on from the newest good checkpoint
 
 Data: JSONL chat records ``{"messages": [...]}`` rendered with the tokenizer's chat template, loss on
 the assistant turns, packed into rows of --seq-len tokens (no token attends across documents); a step's
 loss is the mean over the target tokens of its whole window (all micro-batches, all ranks). With
---eval-data: the held-out loss at every checkpoint (10 per run), and the first 64 held-out questions
-answered by greedy decoding before and after training. The full job on the same library calls (config
-files, mixtures, lenient mode, loggers, early stop, HSDP, resume checks): ``ftlib sft`` (ftlib/cli/sft.py).
+--eval-data: the held-out loss at each of the 10 checkpoints, 64 held-out questions answered before and
+after. --resume: on from the newest good checkpoint. The full job on the same library calls (config files,
+mixtures, lenient mode, loggers, early stop, HSDP): ``ftlib sft`` (ftlib/cli/sft.py).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ftlib.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
 from ftlib.data import FormatConfig, SkipReport, TokenLoader, iter_records, prepare_cache
 from ftlib.distributed import ShardedCheckpointer, export_adapter, init_distributed, wrap
@@ -37,6 +36,7 @@ from ftlib.optim import TrainOptimizer, make_adamw, param_groups
 from ftlib.sched import LRScheduler, WarmupDecay
 from ftlib.train import copy_tokenizer_files, pick_precision, plan_steps, seed_everything
 from ftlib.train.demo import make_demo_assets
+from ftlib.train.resume import ResumeError, resume_train_state, run_extra, run_settings
 
 # The demo's base is random, so its adapter has more to learn than a real fine-tune's: a larger rank and scale.
 DEMO = dict(seq_len=256, batch_size=4, grad_accum=1, epochs=4, lr=1.5e-3, lora_r=64)
@@ -84,8 +84,7 @@ def main(argv=None):
     # 1. model, tokenizer, adapters; the loss module (no full logits), wrapped for several ranks.
     precision = pick_precision(None, device)  # bf16 where the GPU has it, else fp32
     model = load_pretrained(args.model, dtype=torch.bfloat16 if precision == "bf16" else torch.float32, device=device)
-    tok = load_tokenizer(args.model)
-    alpha = (4 if args.demo else 2) * args.lora_r
+    tok, alpha = load_tokenizer(args.model), (4 if args.demo else 2) * args.lora_r  # LoRA scale alpha / r
     apply_lora(model, LoRAConfig(r=args.lora_r, alpha=alpha, dropout=0.05, target_modules="all-linear",
                                  quantize="nf4" if args.qlora else None, double_quant=args.qlora), verbose=False)
     log(count_params(model))  # the adapters were created on the base's device
@@ -114,20 +113,22 @@ def main(argv=None):
     sched = LRScheduler(opt.optimizer, WarmupDecay(total=plan.total, warmup_ratio=0.03, decay="cosine",
                                                    min_lr_ratio=0.1))
     sharded = engine == "fsdp"  # FSDP: every rank writes its shards; else rank 0 writes the whole state
-    ckpt = ShardedCheckpointer(out / "checkpoints", keep=2) if sharded else Checkpointer(out / "checkpoints", keep=2)
+    writer = ShardedCheckpointer if sharded else Checkpointer if rank == 0 else None
+    ckpt = writer(out / "checkpoints", keep=2) if writer else None
     state_model = train_model if sharded else model
     eval_model, eval_loss = (train_model, lambda m, b: m(b)) if sharded else (model, None)  # FSDP: via its hooks
 
     # 4. the loop, from where the newest checkpoint left it: one iteration = one optimizer step.
-    step, before, trained_tokens = 0, {}, 0
-    last = latest_checkpoint(out / "checkpoints")
-    if last is not None and not args.resume:
-        raise SystemExit(f"{out / 'checkpoints'} holds checkpoints of an earlier run: pass --resume or a new --out")
-    if last is not None:  # weights, optimizer, schedule, clipper, loader position, RNG
-        state = load_checkpoint(last, model=state_model, optimizer=opt, scheduler=sched, clipper=clipper, loader=loader)
-        step, before, trained_tokens = state.step, state.extra["before"], state.extra["tokens"]
-        log(f"resumed from {last} (step {step})")
-    elif eval_loader is not None:  # the base model (a fresh LoRA adapter changes nothing)
+    settings = run_settings(vars(args), ("model", "data", "qlora", "lora_r", "seq_len", "batch_size", "grad_accum",
+                                         "lr", "epochs", "max_steps"), out=out)  # a resume that changes one: refused
+    try:  # weights, optimizer, schedule, clipper, loader position (re-planned on another world size), RNG
+        resumed = resume_train_state(out / "checkpoints", resume=args.resume, settings=settings, plan=plan, log=log,
+                                     sharded=sharded, model=state_model, optimizer=opt, scheduler=sched,
+                                     clipper=clipper, loader=loader)
+    except ResumeError as e:
+        raise SystemExit(str(e)) from None
+    step, before, trained_tokens = resumed.step, resumed.extra.get("before", {}), resumed.extra.get("tokens", 0)
+    if step == 0 and eval_loader is not None:  # the base model (a fresh LoRA adapter changes nothing)
         before = heldout_report(eval_model, tok, eval_loader, [] if sharded else prompts, refs, autocast=opt.autocast,
                                 loss_fn=eval_loss)  # generation needs the whole model on one rank: not under FSDP
     if rank == 0:  # the records up to the checkpoint (an interrupted run may have logged past it)
@@ -150,17 +151,16 @@ def main(argv=None):
                     opt.backward(loss_sum, n_tokens)  # backward; divided by the window's tokens at the step
             res = opt.step(clipper)  # normalise by tokens (all ranks), clip, optimizer step, zero grads
             sched.step()
-            step += 1
-            trained_tokens += res.num_tokens
+            step, trained_tokens = step + 1, trained_tokens + res.num_tokens
             rec = {"step": step, "epoch": epoch, "loss": res.loss, "lr": sched.get_last_lr()[0],
                    "grad_norm": res.grad_norm, "target_tokens": res.num_tokens, "skipped": res.skipped,
                    "tokens_per_s": res.num_tokens / (time.perf_counter() - t_step)}
             if step % save_every == 0 or step == plan.total:
                 if eval_loader is not None:  # held-out loss over every document once (collective)
                     rec.update(evaluate(eval_model, eval_loader, autocast=opt.autocast, loss_fn=eval_loss).to_dict())
-                if sharded or rank == 0:
+                if ckpt is not None:
                     ckpt.save(step, model=state_model, optimizer=opt, scheduler=sched, clipper=clipper, loader=loader,
-                              metrics=rec, extra={"before": before, "tokens": trained_tokens},
+                              metrics=rec, extra={**run_extra(settings, loader), "before": before, "tokens": trained_tokens},
                               base_model_name_or_path=args.model)
             if rank == 0:
                 with open(out / "metrics.jsonl", "a") as f:
@@ -171,7 +171,8 @@ def main(argv=None):
             if step >= plan.total:
                 break
     train_s = time.perf_counter() - t_loop
-    ckpt.close()  # waits for the last background write
+    if ckpt is not None:
+        ckpt.close()  # waits for the last background write
 
     # 5. the adapter in PEFT's format with the tokenizer beside it; the held-out report before/after.
     if sharded:  # collective: every rank takes part in the gathers, rank 0 writes
@@ -184,10 +185,8 @@ def main(argv=None):
     if eval_loader is not None:
         after = heldout_report(eval_model, tok, eval_loader, [] if sharded else prompts, refs, autocast=opt.autocast,
                                loss_fn=eval_loss)
-        for line in before_after_table(before, after, questions=questions, references=refs, steps=step,
-                                       wall_s=time.perf_counter() - t_start, train_s=train_s,
-                                       tokens=trained_tokens):
-            log(line)
+        log("\n".join(before_after_table(before, after, questions=questions, references=refs, steps=step,
+                                          wall_s=time.perf_counter() - t_start, train_s=train_s, tokens=trained_tokens)))
     if rank == 0:
         (out / "summary.json").write_text(json.dumps({"steps": step, "before": before, "after": after,
                                                       "world_size": world, "engine": engine}) + "\n")
