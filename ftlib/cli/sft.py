@@ -159,7 +159,7 @@ FIXED = ("model", "kind", "chat_template", "seq_len", "lora_r", "lora_alpha", "t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = FlagParser(description=__doc__.split("\n")[0])
+    p = FlagParser(prog="ftlib sft", description=__doc__.split("\n")[0])
     # the flags every ftlib script shares (ftlib.train.cli); --seq-len etc. defaults: DEFAULTS / DEMO_DEFAULTS
     add_model_flags(p)
     add_data_flags(p)
@@ -343,7 +343,7 @@ def _overlap(train_docs, eval_docs) -> int:
     return sum(hashlib.sha1(eval_docs[i][0].astype("int64").tobytes()).digest() in seen for i in range(len(eval_docs)))
 
 
-def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device, log):
+def build_data(args, tok, out: Path, rank: int, device: torch.device, log):
     """Tokenize once (cached, fingerprinted), pack rows of seq_len without cross-document attention.
     --data / --eval-data may also be a cache built by ``ftlib data build``.
 
@@ -377,7 +377,7 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
         if not src or name in caches:
             continue
         if name == "train" and weights:
-            caches[name] = MixedDocs([build_mixture_part(p, i, fcfg, tok, args, out, rank, world)
+            caches[name] = MixedDocs([build_mixture_part(p, i, fcfg, tok, args, out)
                                       for i, (p, _) in enumerate(mix)], names=[p for p, _ in mix])
             continue
         if prebuilt[name]:
@@ -426,7 +426,7 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
     return loader, eval_loader, fcfg, template, fp, overlap
 
 
-def build_mixture_part(src: str, i: int, fcfg, tok, args, out: Path, rank: int, world: int):
+def build_mixture_part(src: str, i: int, fcfg, tok, args, out: Path):
     """Source ``i`` of a weighted --data mixture: a cache of its own (a prebuilt one, or built under
     --out/cache/mix-i with the run's format)."""
     if _token_cache_dir([src]):
@@ -547,7 +547,7 @@ def run(argv: list[str] | None = None):
     log(f"{args.engine} on {world} rank(s)" + (f", HSDP shard groups of {args.shard_size}" if args.shard_size else ""))
 
     # 2. data: each rank its slice of every step.
-    loader, eval_loader, fcfg, template, data_fp, overlap = build_data(args, tok, out, rank, world, device, log)
+    loader, eval_loader, fcfg, template, data_fp, overlap = build_data(args, tok, out, rank, device, log)
     pad_id = loader.opts["pad_id"]
     ps = loader.pack_stats
     if template is not None:

@@ -325,3 +325,9 @@ def test_early_stop_with_save_every_0_evaluates_and_can_stop(user, tmp_path):
     r = train("--model", user["model"], "--data", user["train"], "--lenient", "--eval-split", "0.2", "--early-stop",
               "1", "--save-every", "0", "--eval-every", "0", "--max-steps", "20", "--out", tmp_path / "never")
     one_line_error(r, "--early-stop 1 needs 2 held-out evals", "--eval-every 0 evaluates only at the end")
+
+
+def test_the_command_names_itself_in_its_errors(tmp_path):
+    r = run_cli("-m", "ftlib", "sft", "--out", tmp_path / "o")
+    line = one_line_error(r, "--model and --data are required")
+    assert line.startswith("ftlib sft: error:") and "(see ftlib sft --help)" in r.stderr
