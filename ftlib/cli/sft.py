@@ -105,7 +105,7 @@ from ftlib.losses import CausalLMLoss
 from ftlib.metrics import FlopsModel, MetricsLogger, TokenStats, device_peak_flops, plot_metrics
 from ftlib.models import load_pretrained, load_tokenizer
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups
-from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
+from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay
 from ftlib.train import (
     EarlyStop,
     ResumeError,
@@ -120,7 +120,6 @@ from ftlib.train import (
     cpu_threads,
     eval_intervals,
     number,
-    open_loggers,
     parse_with_config,
     pick_precision,
     plan_steps,
@@ -579,11 +578,10 @@ def run(argv: list[str] | None = None):
     groups = param_groups(model, lr=args.lr, weight_decay=args.weight_decay, lora_plus_ratio=args.lora_plus)
     opt = TrainOptimizer(make_adamw(groups, lr=args.lr, weight_decay=args.weight_decay), precision=precision)
     clipper = GlobalNormClipper(args.clip)
-    warmup = resolve_warmup(total, warmup_ratio=args.warmup_ratio)
     if args.schedule == "plateau":
-        schedule = PlateauCosine(total=total, warmup=warmup, min_lr_ratio=0.1)
+        schedule = PlateauCosine(total=total, warmup_ratio=args.warmup_ratio, min_lr_ratio=0.1)
     else:
-        schedule = WarmupDecay(total=total, warmup=warmup, decay=args.schedule, min_lr_ratio=0.1)
+        schedule = WarmupDecay(total=total, warmup_ratio=args.warmup_ratio, decay=args.schedule, min_lr_ratio=0.1)
     sched = LRScheduler(opt.optimizer, schedule)
     sharded = args.engine == "fsdp"
     settings = run_settings(vars(args), SETTINGS, out=out) | {
@@ -629,11 +627,11 @@ def run(argv: list[str] | None = None):
     tokens_seen, train_s = resumed.extra.get("tokens_seen", 0), resumed.extra.get("train_time_s", 0.0)
     logger = MetricsLogger(out / "metrics.jsonl", total_steps=total, start_step=step, rank=rank, world_size=world,
                            device=device, flops=flops, print_every=args.log_every,
-                           peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else device_peak_flops(device, precision))
-    loggers = open_loggers(args.report_to if rank == 0 else [], out=out, config=vars(args), start_step=step,
-                           run_name=out.name)
+                           peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else device_peak_flops(device, precision),
+                           report_to=args.report_to if rank == 0 else [], log_dir=out, run_config=vars(args),
+                           run_name=out.name)  # --report-to tensorboard / wandb: every record goes there too
     if step == 0 and "eval_loss" in before:  # the step-0 point of the held-out curve
-        loggers.log(logger.eval(0, {k: before[k] for k in ("eval_loss", "eval_ppl") if k in before}))
+        logger.eval(0, {k: before[k] for k in ("eval_loss", "eval_ppl") if k in before})
     tokenized = set()  # checkpoint folders that hold the tokenizer files and the template
 
     def save_tokenizer(folder: Path) -> None:
@@ -667,12 +665,11 @@ def run(argv: list[str] | None = None):
             rec = logger.step(step, res, lr=sched.get_last_lr()[0], tokens=tokens, skipped_steps=opt.skipped_steps,
                               epoch=epoch)
             records.append(rec)
-            loggers.log(rec)
             tokens_seen += rec["tokens"]  # all ranks
             metrics = {}
             if eval_loader is not None and ((eval_every and step % eval_every == 0) or step == total):
                 metrics = evaluate(eval_model, eval_loader, autocast=opt.autocast, loss_fn=eval_loss).to_dict()
-                loggers.log(logger.eval(step, metrics))
+                logger.eval(step, metrics)
                 # patience counted in evals; the stop is saved, so a resume does not undo it
                 if early.update(metrics["eval_loss"]):
                     log(f"early stop at step {step}: held-out loss {metrics['eval_loss']:.4f}, no improvement on "
@@ -699,7 +696,6 @@ def run(argv: list[str] | None = None):
             break
     train_s += time.perf_counter() - t_loop
     logger.close()
-    loggers.close()
     if ckpt is not None:
         ckpt.close()  # waits for the last background write
         if rank == 0:  # every kept checkpoint's adapter is served with the tokenizer and template it trained with
