@@ -33,7 +33,7 @@ and ``TOKENIZERS_PARALLELISM=false``; each round runs every variant in a fresh p
 order rotating per round; medians are reported.
 
 * ``ftlib``: ``build_cache(shards, tokenizer, FormatConfig(kind="chat", chat_template=...),
-  num_proc=...)`` (what ``examples/finetune_lora.py`` calls);
+  num_proc=...)`` (what ``ftlib sft`` calls, through ``prepare_cache``);
 * ``datasets``: ``load_dataset("json", num_proc=...)`` then ``map(batched=True, num_proc=...)``
   of ``tokenizer.apply_chat_template(batch, tokenize=True, return_dict=True,
   return_assistant_tokens_mask=True)`` (a ``PreTrainedTokenizerFast`` on the same file), the

@@ -2,7 +2,7 @@
 
 For each method (full, LoRA, QLoRA) a randomly initialised model of the given config (default:
 Llama-3.2-1B's shape, built here, nothing downloaded) takes two training steps the way
-``examples/finetune_lora.py`` runs them: activation checkpointing per block, bf16 autocast (full
+``ftlib sft`` runs them: activation checkpointing per block, bf16 autocast (full
 fine-tuning: fp32 masters), packed rows of ``--seq-len`` tokens, the chunked loss, AdamW. The
 second step runs after ``torch.cuda.reset_peak_memory_stats()``, so its
 ``max_memory_allocated`` holds the weights, the optimizer state and the step's peak. The ratio

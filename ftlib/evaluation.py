@@ -16,6 +16,10 @@ positions count real tokens, so padding does not change the result) up to ``max_
 a stop token; the prediction is the text before the first stop token, and it is correct when
 ``normalize(prediction) == normalize(reference)`` (default: whitespace runs collapsed, ends
 stripped).
+
+Before/after. ``heldout_report`` measures both on one model (loss on every rank, exact match on
+rank 0), once before training and once after; ``before_after_table`` prints the two side by side
+with the first answers, the report a fine-tuning run ends with (``ftlib sft``, ``examples/sft.py``).
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ import torch
 from torch import nn
 
 from . import losses
-from ._dist import get_world_size
+from ._dist import get_rank, get_world_size
 
-__all__ = ["EvalResult", "ExactMatch", "evaluate", "exact_match"]
+__all__ = ["EvalResult", "ExactMatch", "before_after_table", "evaluate", "exact_match", "heldout_report"]
 
 
 @dataclass
@@ -155,3 +159,73 @@ def exact_match(model: nn.Module, tokenizer, prompts: Sequence[str], references:
     correct = sum(hits)
     return ExactMatch(accuracy=correct / len(hits), correct=correct, total=len(hits), predictions=preds,
                       references=list(references), hits=hits)
+
+
+def heldout_report(model: nn.Module, tokenizer=None, loader=None, prompts: Sequence[str] = (),
+                   references: Sequence[str] = (), *, autocast: Callable[[], object] | None = None,
+                   loss_fn: Callable[[nn.Module, dict], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   losses: dict | None = None, max_new_tokens: int = 32) -> dict:
+    """The held-out numbers of ``model`` as one JSON-able dict: what ``before_after_table`` shows.
+
+    ``eval_loss`` / ``eval_ppl`` / ``eval_tokens`` from ``evaluate(model, loader)`` (collective under
+    torch.distributed: every rank calls this), or ``losses`` when they were just measured; with
+    ``prompts``, on rank 0 only, ``exact_match`` (the fraction), ``exact_match_correct``,
+    ``exact_match_total`` and the ``predictions`` of greedy decoding (``exact_match``)."""
+    rep = dict(losses or {})
+    if loader is not None and not rep:
+        rep.update(evaluate(model, loader, autocast=autocast, loss_fn=loss_fn).to_dict())
+    if prompts and get_rank() == 0:
+        em = exact_match(model, tokenizer, prompts, references, max_new_tokens=max_new_tokens)
+        rep.update(exact_match=em.accuracy, exact_match_correct=em.correct, exact_match_total=em.total,
+                   predictions=em.predictions)
+    return rep
+
+
+def _short(text: str) -> str:
+    return repr(text if len(text) <= 40 else text[:37] + "...")
+
+
+def before_after_table(before: dict, after: dict, *, questions: Sequence[str] = (), references: Sequence[str] = (),
+                       steps: int, wall_s: float, train_s: float, tokens: int, overlap: int = 0,
+                       n_heldout: int | None = None, examples: int = 3) -> list[str]:
+    """The lines of the held-out before/after table (``heldout_report`` dicts), empty when there is nothing to show.
+
+    Rows: held-out loss and perplexity (when ``after`` has them), exact match as ``correct/total =
+    %`` (``-`` when ``before`` has none); then the run's steps, time and tokens/s, and the first
+    ``examples`` questions with the trained model's answer marked right or wrong against
+    ``references``. The header says what the overlap check found: ``overlap`` of the ``n_heldout``
+    held-out documents have the tokens of a training document (0: none, the held-out set is clean)."""
+    rows = []
+    if "eval_loss" in after:
+        rows += [("held-out loss", f"{before.get('eval_loss', float('nan')):.4f}", f"{after['eval_loss']:.4f}"),
+                 ("held-out perplexity", f"{before.get('eval_ppl', float('nan')):.2f}", f"{after['eval_ppl']:.2f}")]
+    if "exact_match" in after:
+        def em(r):
+            return f"{r['exact_match_correct']}/{r['exact_match_total']} = {r['exact_match']:.1%}" if r else "-"
+        rows.append(("exact match", em(before if "exact_match" in before else None), em(after)))
+    if not rows:
+        return []
+    n = after.get("exact_match_total")
+    lines = [""]
+    if overlap:
+        what = f"{n} questions; " if n else ""
+        lines.append(f"held-out evaluation ({what}{overlap} of {n_heldout} held-out documents are also in the "
+                     "training data, exact token match):")
+    elif n:
+        lines.append(f"held-out evaluation ({n} questions not in the training data):")  # checked: no exact duplicate
+    else:
+        lines.append("held-out evaluation" + (f" ({n_heldout} documents, none in the training data)" if n_heldout
+                                              else "") + ":")
+    lines.append(f"  {'':<22}{'before':>16}{'after':>16}")
+    lines += [f"  {name:<22}{b:>16}{a:>16}" for name, b, a in rows]
+    lines.append(f"  {steps} steps, wall time {wall_s:.0f} s (training {train_s:.0f} s), "
+                 f"{tokens / max(train_s, 1e-9):,.0f} tokens/s")
+    preds = after.get("predictions") or []
+    shown = min(examples, len(questions), len(preds))
+    width = max((len(q) for q in questions[:shown]), default=0)
+    for i in range(shown):
+        verdict = "right" if preds[i].strip() == references[i].strip() else f"wrong, want {references[i]!r}"
+        lines.append(f"  {questions[i]:<{width}} -> {_short(preds[i])} ({verdict})")
+    if before.get("predictions"):
+        lines.append(f"  (before training, the first answer was {_short(before['predictions'][0])})")
+    return lines

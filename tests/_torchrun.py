@@ -28,7 +28,8 @@ def _env() -> dict:
 
 
 def torchrun(script: Path, *args: str, timeout: float = 120.0, nproc: int = 2) -> str:
-    """Launch ``script *args`` on ``nproc`` ranks (2 CPU ranks, gloo, by default) and return torchrun's
+    """Launch ``script *args`` on ``nproc`` ranks (2 CPU ranks, gloo, by default; ``script`` may be ``"-m"``
+    with the module first in ``args``, as in ``torchrun("-m", "ftlib", "sft", ...)``) and return torchrun's
     output followed by every rank's log; a non-zero exit or a run past ``timeout`` fails with the
     report of ``report``."""
     with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:

@@ -94,3 +94,40 @@ def test_exact_match_agrees_with_unbatched_greedy_generation():
     assert loose.accuracy == 1.0  # whitespace is normalised
     with pytest.raises(ValueError, match="2 prompts but 1 references"):
         exact_match(model, tok, prompts[:2], refs[:1])
+
+
+def test_heldout_report_has_loss_and_exact_match_as_their_functions_give_them():
+    from ftlib.evaluation import heldout_report
+
+    torch.manual_seed(0)
+    model, tok = LlamaForCausalLM(CFG).eval(), _tokenizer()
+    loader = TokenLoader(_Docs(_docs()), batch_size=2, seq_len=24, pad_id=0, packing=True, shuffle=False, drop_last=False)
+    prompts, refs = ["w3 w4", "w5"], ["w6", "w7"]
+    rep = heldout_report(model, tok, loader, prompts, refs, max_new_tokens=2)
+    em = exact_match(model, tok, prompts, refs, max_new_tokens=2)
+    assert rep == {**evaluate(model, loader).to_dict(), "exact_match": em.accuracy, "exact_match_correct": em.correct,
+                   "exact_match_total": 2, "predictions": em.predictions}
+    assert heldout_report(model, loader=loader, losses={"eval_loss": 1.0}) == {"eval_loss": 1.0}  # just measured
+    assert heldout_report(model) == {}
+
+
+def test_before_after_table_rows_and_verdicts():
+    from ftlib.evaluation import before_after_table
+
+    before = {"eval_loss": 7.5, "eval_ppl": 1808.04, "exact_match": 0.0, "exact_match_correct": 0,
+              "exact_match_total": 2, "predictions": ["x", "y"]}
+    after = {"eval_loss": 0.01, "eval_ppl": 1.01, "exact_match": 0.5, "exact_match_correct": 1,
+             "exact_match_total": 2, "predictions": ["b a", "c"]}
+    lines = before_after_table(before, after, questions=["rev a b", "rev c d"], references=["b a", "d c"], steps=10,
+                               wall_s=12.0, train_s=10.0, tokens=5000)
+    assert lines[1] == "held-out evaluation (2 questions not in the training data):"
+    rows = {ln.split("  ")[1].strip(): ln.split()[-2:] for ln in lines[3:6]}
+    assert rows["held-out loss"] == ["7.5000", "0.0100"] and rows["held-out perplexity"] == ["1808.04", "1.01"]
+    assert lines[5].split()[-6:] == ["0/2", "=", "0.0%", "1/2", "=", "50.0%"]
+    assert lines[6] == "  10 steps, wall time 12 s (training 10 s), 500 tokens/s"
+    assert lines[7].endswith("-> 'b a' (right)") and lines[8].endswith("-> 'c' (wrong, want 'd c')")
+    assert lines[9] == "  (before training, the first answer was 'x')"
+    dup = before_after_table({}, {"eval_loss": 1.0, "eval_ppl": 2.72}, steps=1, wall_s=1, train_s=1, tokens=1,
+                             overlap=3, n_heldout=9)
+    assert "3 of 9 held-out documents are also in the training data" in dup[1] and "nan" in dup[3]
+    assert before_after_table({}, {}, steps=1, wall_s=1, train_s=1, tokens=1) == []

@@ -19,7 +19,7 @@ ShareGPT, TRL prompt/completion, Alpaca). Several sources mix by weight (``mixtu
 Pre-tokenize from the shell: ``python -m ftlib.data build --help``.
 """
 
-from .cache import CacheError, TokenCache, build_cache, open_cache
+from .cache import CacheError, TokenCache, build_cache, open_cache, prepare_cache
 from .collate import collate_packed, length_grouped_batches, pad_collate, padding_fraction
 from .formatting import (
     BUILTIN_TEMPLATES,
@@ -112,6 +112,7 @@ __all__ = [
     "pair_tokens",
     "parse_hub_spec",
     "parse_mixture",
+    "prepare_cache",
     "render_chat",
     "resolve_chat_template",
     "resolve_hub_dataset",

@@ -1,7 +1,9 @@
 """Command line: pre-tokenize a corpus into an Arrow token cache, or describe a cache.
 
-    python -m ftlib.data build --source data/ --tokenizer models/llama3/ --out cache/ --num-proc 8 --lenient
-    python examples/finetune_lora.py --model models/llama3/ --data cache/ --out runs/x
+    ftlib data build --source data/ --tokenizer models/llama3/ --out cache/ --num-proc 8 --lenient
+    ftlib sft --model models/llama3/ --data cache/ --out runs/x
+
+(``python -m ftlib.data build ...`` is the same command.)
 
 The record-format flags (``--kind``, default chat; ``--chat-template``, default the tokenizer's;
 the field names; ``--lenient``; ``--num-proc``) are the training scripts' (``ftlib.data.cli``), so
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
     b.add_argument("--add-bos", action="store_true", default=None)
     b.add_argument("--no-eos", action="store_true", help="do not append EOS (text kind)")
     b.add_argument("--max-length", type=int, default=None,
-                   help="longest document in tokens, cut by --truncation (a cache for finetune_lora.py --data "
+                   help="longest document in tokens, cut by --truncation (a cache for ftlib sft --data "
                         "needs at most its --seq-len)")
     b.add_argument("--truncation", default="prompt_left", choices=list(TRUNCATIONS))
     b.add_argument("--head-tail", default="0.5",

@@ -92,12 +92,13 @@ except ImportError:  # not POSIX: builds of one directory are not serialised the
     fcntl = None
 
 from .._atomic import atomic_write
+from .._dist import from_rank0, get_rank, get_world_size
 from .formatting import FormatConfig
 from .readers import ReadLimits, decode_item, item_nbytes, iter_raw
 from .report import DataError, SkipReport
 from .shards import Shard, list_shards, shard_fingerprint
 
-__all__ = ["CacheError", "TokenCache", "build_cache", "open_cache"]
+__all__ = ["CacheError", "TokenCache", "build_cache", "open_cache", "prepare_cache"]
 
 CACHE_VERSION = 2  # 2: shard metadata carries the reader's skips and the formatter's stats
 _CHUNK_BYTES = 1 << 20
@@ -374,6 +375,30 @@ def _build_lock(cache_dir: str):
         yield
     finally:
         os.close(fd)  # releases the flock
+
+
+def prepare_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num_proc: int = 1,
+                  strict: bool = True, progress: bool = True) -> TokenCache:
+    """``build_cache`` for every rank of a job: rank 0 tokenizes, the other ranks open its cache.
+
+    One process (no torch.distributed): ``build_cache(...)``. Under torch.distributed (collective:
+    every rank calls it) rank 0 builds with ``num_proc`` processes and ``progress``; the others wait
+    for it, then open the finished cache (``build_cache`` again, which reuses every shard). A build
+    that fails on rank 0 fails on every rank with rank 0's message (a :class:`DataError`, or
+    ``FileNotFoundError`` for a missing source), so no rank waits for a cache that never comes.
+    """
+    if get_world_size() == 1:
+        return build_cache(sources, tokenizer, config, cache_dir, num_proc=num_proc, strict=strict, progress=progress)
+    error = None
+    if get_rank() == 0:
+        try:
+            build_cache(sources, tokenizer, config, cache_dir, num_proc=num_proc, strict=strict, progress=progress)
+        except (DataError, FileNotFoundError) as e:
+            error = [type(e).__name__, str(e)]
+    error = from_rank0(error)  # also the barrier: the cache is whole when it returns
+    if error is not None:
+        raise (FileNotFoundError if error[0] == "FileNotFoundError" else DataError)(error[1])
+    return build_cache(sources, tokenizer, config, cache_dir, num_proc=1, strict=strict, progress=False)
 
 
 def build_cache(sources, tokenizer, config: FormatConfig, cache_dir: str, *, num_proc: int = 1,

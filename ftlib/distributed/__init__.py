@@ -12,7 +12,7 @@
     export_adapter(train_model, "runs/x/adapter")               # PEFT format, from rank 0
     export_merged(train_model, "runs/x/merged")                 # HF format, one layer at a time
 
-Modules: ``sharding`` (``shard_model``, ``wrap_ddp``, ``device_mesh``, ``init_distributed``),
+Modules: ``sharding`` (``wrap(model, engine="none" | "ddp" | "fsdp")`` over ``shard_model`` and ``wrap_ddp``, ``device_mesh``, ``init_distributed``),
 ``sharded_load`` (``load_sharded`` / ``init_sharded``: build on the meta device, adapt, shard, then each
 rank fills only its shards from the safetensors rows it owns or the replayed constructor init;
 ``meta_model``, ``materialize_sharded``, ``shard_rows`` are its steps),
@@ -47,6 +47,7 @@ from .sharding import (
     is_rank0,
     mixed_precision_policy,
     shard_model,
+    wrap,
     wrap_ddp,
 )
 
@@ -76,6 +77,7 @@ __all__ = [
     "shard_rows",
     "shard_segments",
     "sum_gradients",
+    "wrap",
     "wrap_ddp",
     "zigzag_indices",
     "zigzag_shard",

@@ -38,6 +38,9 @@ error feedback (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient Compr
 ``powersgd_start_iter`` exact iterations. Compressed gradients are approximations: the run no
 longer matches one process bit for bit.
 
+``wrap(model, engine=...)`` is the one call a training script makes: ``"none"`` (one process, the
+model itself), ``"ddp"`` (``wrap_ddp``) or ``"fsdp"`` (``shard_model``, HSDP with ``shard_size``).
+
 What stays correct when sharded (the rest of ftlib is written for it): clippers reduce norms over
 every shard and every mesh dim (``ftlib.clip``); ``TrainOptimizer`` all-reduces the window's
 target-token count, so the loss is the mean over every token of every rank; ``grad_sync`` turns
@@ -60,12 +63,14 @@ from .._dist import get_local_rank, get_rank, get_world_size, is_distributed
 
 __all__ = [
     "DistEnv",
+    "ENGINES",
     "decoder_blocks",
     "device_mesh",
     "init_distributed",
     "is_rank0",
     "mixed_precision_policy",
     "shard_model",
+    "wrap",
     "wrap_ddp",
 ]
 
@@ -281,3 +286,37 @@ def wrap_ddp(model: nn.Module, *, compression: str | None = None, powersgd_rank:
                                             start_powerSGD_iter=powersgd_start_iter, random_seed=0)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return ddp
+
+
+ENGINES = ("none", "ddp", "fsdp")
+
+
+def wrap(model: nn.Module, *, engine: str = "none", compression: str | None = None, shard_size: int | None = None,
+         mixed_precision: str | None = None, reshard_after_forward: bool = True, cpu_offload: bool = False,
+         sync_module_states: bool = True) -> nn.Module:
+    """``model`` ready for ``engine``: ``"none"`` returns it, ``"ddp"`` wraps it (``wrap_ddp``), ``"fsdp"``
+    shards it in place (``shard_model``; ``shard_size``: HSDP, shard within groups of that many ranks).
+
+    ``model`` is the module the loop calls (a loss wrapper such as ``ftlib.losses.CausalLMLoss``);
+    apply adapters and activation checkpointing before, build the optimizer after. An option of the
+    other engine is an error naming it, never ignored: ``compression`` is DDP's; ``shard_size``,
+    ``mixed_precision``, ``cpu_offload``, ``reshard_after_forward=False`` and
+    ``sync_module_states=False`` are FSDP's. ``"ddp"`` / ``"fsdp"`` need torch.distributed
+    initialised (``init_distributed`` under torchrun)."""
+    if engine not in ENGINES:
+        raise ValueError(f"wrap: engine must be one of {ENGINES}, got {engine!r}")
+    fsdp_opts = {"shard_size": shard_size is not None, "mixed_precision": mixed_precision is not None,
+                 "cpu_offload": cpu_offload, "reshard_after_forward": not reshard_after_forward,
+                 "sync_module_states": not sync_module_states}
+    if engine != "ddp" and compression is not None:
+        raise ValueError(f"wrap: compression is a DDP option (engine='ddp'), not one of engine={engine!r}")
+    if engine != "fsdp" and any(fsdp_opts.values()):
+        named = ", ".join(k for k, v in fsdp_opts.items() if v)
+        raise ValueError(f"wrap: {named} are FSDP2 options (engine='fsdp'), not ones of engine={engine!r}")
+    if engine == "none":
+        return model
+    if engine == "ddp":
+        return wrap_ddp(model, compression=compression)
+    mesh = device_mesh(shard=shard_size) if shard_size else None
+    return shard_model(model, mesh=mesh, mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
+                       cpu_offload=cpu_offload, sync_module_states=sync_module_states)

@@ -99,6 +99,17 @@ class PretrainedTokenizer:
     pad_token_id = property(lambda self: self._id(self.pad_token))
     unk_token_id = property(lambda self: self._id(self.unk_token))
 
+    @property
+    def pad_id(self) -> int:
+        """The id batches are padded with: the pad token's, else the EOS token's, else 0.
+
+        Padding carries no loss (labels -100) and is masked out of attention, so any id works; a
+        tokenizer without a pad token (Llama-3, Mistral) pads with EOS, as ``transformers`` does."""
+        for i in (self.pad_token_id, self.eos_token_id):
+            if i is not None:
+                return i
+        return 0
+
     def __len__(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 

@@ -1,7 +1,7 @@
 """What every training script shares, below the script and above the pieces it drives.
 
-The loop stays in the script (``examples/finetune_lora.py``); these are the parts that are the
-same in every script and must not drift between copies:
+The loop stays in the script (``examples/sft.py``, the ``ftlib sft`` command); these are the parts
+that are the same in every script and must not drift between copies:
 
 - ``plan``: ``plan_steps`` / ``StepPlan``, optimizer steps per epoch and in all from the loader;
 - ``resume``: ``resume_train_state``, the whole train state back from the newest good checkpoint
@@ -12,6 +12,7 @@ same in every script and must not drift between copies:
 - ``export``: ``save_merged`` (adapters merged, HF layout, tokenizer files beside it) and
   ``copy_tokenizer_files``;
 - ``seed``: ``seed_everything``;
+- ``early_stop``: ``EarlyStop``, patience on the held-out loss, its state saved in checkpoints;
 - ``cli``: the flag groups every script shares (``add_model_flags``, ``add_data_flags``, ...),
   ``--config FILE`` (``parse_with_config``), the output flags checked once (``check_output_flags``),
   the CPU thread default (``cpu_threads``), and the settings that parse but cannot train refused
@@ -41,6 +42,7 @@ from .cli import (
     train_loader,
     whole,
 )
+from .early_stop import EarlyStop
 from .export import TOKENIZER_FILES, copy_tokenizer_files, save_merged
 from .loggers import open_loggers
 from .manifest import RUN_MANIFEST, git_commit, write_run_manifest
@@ -57,6 +59,7 @@ from .resume import (
 from .seed import seed_everything
 
 __all__ = [
+    "EarlyStop",
     "RUN_MANIFEST",
     "ResumeError",
     "Resumed",

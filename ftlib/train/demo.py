@@ -14,6 +14,9 @@ Writes under ``root``:
   ChatML template and the special tokens;
 - ``data/train.jsonl``: chat records ``{"messages": [...]}`` (``demo_records``);
 - ``eval/heldout.jsonl``: the held-out records, same layout.
+
+``DEMO_LEXICON`` is the folder of a synonym and POS lexicon of the demo's words (for ``--augment``),
+shipped with the package.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHATML", "PROMPT", "WORDS", "arithmetic_pairs", "demo_records", "heldout_pairs", "heldout_records",
+__all__ = ["CHATML", "DEMO_LEXICON", "PROMPT", "WORDS", "arithmetic_pairs", "demo_records", "heldout_pairs", "heldout_records",
            "make_demo_assets", "pair_score"]
 
 CHATML = (
@@ -36,6 +39,8 @@ WORDS = ("apple bird cloud door egg fish goat hat ink jam kite lamp moon nest ow
          "van wolf box yarn zoo cat dog leaf milk road ship star wind gold salt rain snow fire coin bell").split()
 PROMPT = "Reverse the words: "
 N_HELDOUT = 64
+# synonyms.tsv + pos.tsv for the demo's words (``ftlib sft --demo --augment``; ftlib.augment.load_lexicon_dir)
+DEMO_LEXICON = Path(__file__).resolve().parent / "demo_lexicon"
 _HELDOUT_SEED = 20240601  # fixed: the held-out lists do not depend on the training seed
 
 

@@ -475,3 +475,38 @@ def test_a_failed_cache_write_names_the_file(tmp_path, tokenizer, write_jsonl, m
     monkeypatch.setattr(cache_mod, "atomic_write", full_for_manifest)
     with pytest.raises(CacheError, match=r"c/manifest\.json: could not write the cache manifest: .*No space left"):
         build_cache(src, tokenizer, TEXT, str(tmp_path / "c"), progress=False)
+
+
+def test_prepare_cache_one_process_is_build_cache(tmp_path, tokenizer, write_jsonl):
+    from ftlib.data import prepare_cache
+
+    src = write_jsonl(tmp_path / "a.jsonl", _docs(7))
+    got = prepare_cache(str(src), tokenizer, TEXT, str(tmp_path / "p"), progress=False)
+    want = build_cache(str(src), tokenizer, TEXT, str(tmp_path / "b"), progress=False)
+    assert len(got) == len(want) == 7
+    assert all((got[i][0] == want[i][0]).all() for i in range(7))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_prepare_cache_rank0_builds_and_shares_its_failure(tmp_path, tokenizer, write_jsonl, monkeypatch, rank):
+    """Under torch.distributed (simulated: world 2) rank 0 tokenizes and a rank-0 failure reaches every
+    rank with rank 0's message, so no rank waits for a cache that never comes."""
+    from ftlib.data import cache as cache_mod
+
+    sent = []
+    monkeypatch.setattr(cache_mod, "get_world_size", lambda: 2)
+    monkeypatch.setattr(cache_mod, "get_rank", lambda: rank)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "hello"}\n{oops\n')
+    rank0_error = ["DataError", f"{bad}:2: malformed_json"]
+    monkeypatch.setattr(cache_mod, "from_rank0", lambda obj: sent.append(obj) or (obj if rank == 0 else rank0_error))
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: malformed_json"):
+        cache_mod.prepare_cache(str(bad), tokenizer, TEXT, str(tmp_path / f"c{rank}"), progress=False)
+    assert len(sent) == 1 and (sent[0] is None if rank else sent[0][0] == "DataError")  # rank 1 did not tokenize
+    assert rank or sent[0][1].startswith(rank0_error[1])
+    assert not (tmp_path / "c1").exists()
+    good = write_jsonl(tmp_path / "good.jsonl", _docs(3))
+    monkeypatch.setattr(cache_mod, "from_rank0", lambda obj: None)
+    if rank == 1:  # rank 0's finished cache is opened, not built again
+        build_cache(str(good), tokenizer, TEXT, str(tmp_path / "g"), progress=False)
+    assert len(cache_mod.prepare_cache(str(good), tokenizer, TEXT, str(tmp_path / "g"), progress=False)) == 3

@@ -5,7 +5,7 @@ Shard within a node, replicate across nodes (``device_mesh(shard=LOCAL_WORLD_SIZ
 4 ranks takes 1 row of every global step, the one-process reference all 4. fp32 on CPU (gloo):
 the per-step losses, token counts, gradient norms, the trained tensors and the exported adapter
 equal one process's up to the rounding of another summation order (token counts and
-skips exactly). The README's recipe itself (``examples/finetune_lora.py --engine fsdp
+skips exactly). The README's recipe itself (``ftlib sft --engine fsdp
 --shard-size 2`` on the demo) gives the losses and the adapter of ``--engine none`` in one process.
 """
 
@@ -30,7 +30,7 @@ from _torchrun import _env, torchrun_nodes  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("_multinode_worker.py")
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "finetune_lora.py"
+SFT = ("-m", "ftlib", "sft")  # the ftlib sft command: python -m ftlib sft, torchrun -m ftlib sft
 CASES = ("lora", "qlora")
 
 
@@ -70,7 +70,7 @@ def _step_losses(out: Path) -> dict[int, float]:
 
 
 def test_example_recipe_on_two_nodes_trains_like_one_process(tmp_path):
-    """The README's multi-node recipe, as the user runs it: ``examples/finetune_lora.py --engine fsdp
+    """The README's multi-node recipe, as the user runs it: ``ftlib sft --engine fsdp
     --shard-size 2`` on 2 nodes x 2 ranks (1 row each) against ``--engine none`` in one process (4 rows),
     the demo's model and data, no dropout: the same per-step losses and the same adapter."""
     if not (dist.is_available() and dist.is_gloo_available()):
@@ -78,10 +78,10 @@ def test_example_recipe_on_two_nodes_trains_like_one_process(tmp_path):
     common = ("--demo", "--max-steps", "3", "--save-every", "0", "--log-every", "1", "--num-proc", "1",
               "--num-workers", "0", "--lora-dropout", "0", "--eval-generate", "0")
     one, two = tmp_path / "one", tmp_path / "two"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(one), "--batch-size", "4", *common], env=_env(),
+    r = subprocess.run([sys.executable, *SFT, "--out", str(one), "--batch-size", "4", *common], env=_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    outs = torchrun_nodes(SCRIPT, "--out", str(two), "--engine", "fsdp", "--shard-size", "2", "--batch-size", "1",
+    outs = torchrun_nodes(*SFT, "--out", str(two), "--engine", "fsdp", "--shard-size", "2", "--batch-size", "1",
                           *common, nnodes=2, nproc=2, timeout=300)
     assert "fsdp on 4 rank(s), HSDP shard groups of 2" in "".join(outs)
     want, got = _step_losses(one), _step_losses(two)

@@ -140,3 +140,18 @@ def test_shard_model_units_and_refusals(one_rank):
         wrap_ddp(build("lora"), compression="bf16")
     with pytest.raises(ValueError, match="compression must be one of"):
         wrap_ddp(build("lora"), compression="int8")
+
+
+def test_wrap_one_process_and_options_of_the_other_engine_are_errors():
+    from ftlib.distributed import wrap
+
+    m = torch.nn.Linear(2, 2)
+    assert wrap(m) is m and wrap(m, engine="none") is m
+    with pytest.raises(ValueError, match="engine must be one of"):
+        wrap(m, engine="deepspeed")
+    with pytest.raises(ValueError, match="compression is a DDP option"):
+        wrap(m, engine="fsdp", compression="fp16")
+    with pytest.raises(ValueError, match="shard_size, cpu_offload are FSDP2 options"):
+        wrap(m, engine="ddp", shard_size=2, cpu_offload=True)
+    with pytest.raises(ValueError, match="mixed_precision are FSDP2 options"):
+        wrap(m, mixed_precision="bf16")

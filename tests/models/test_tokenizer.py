@@ -116,3 +116,15 @@ def test_apply_chat_template_is_bounded(tmp_path):
     _write_tokenizer(tmp_path, config={"chat_template": "{{ 'x' * 10**12 }}"})
     with pytest.raises(TemplateLimitError, match="over max_chars=4000000"):
         load_tokenizer(tmp_path).apply_chat_template(MSGS)
+
+
+@pytest.mark.parametrize("config,want", [
+    ({"pad_token": "<pad>", "eos_token": "</s>"}, "<pad>"),  # its own pad token
+    ({"eos_token": "</s>"}, "</s>"),  # none (Llama-3, Mistral): padded with EOS, as transformers does
+    ({}, None),  # neither: id 0
+])
+def test_pad_id_is_pad_else_eos_else_zero(tmp_path, config, want):
+    tok = _write_tokenizer(tmp_path / "t", config=config)
+    loaded = load_tokenizer(tmp_path / "t")
+    assert loaded.pad_id == (tok.token_to_id(want) if want else 0)
+    assert want is None or loaded.pad_id != 0

@@ -1,21 +1,16 @@
-"""The demo fine-tune with ``--augment`` (demo lexicon) and ``--neftune-alpha``: the loop trains on
+"""``ftlib sft --demo`` with ``--augment`` (demo lexicon) and ``--neftune-alpha``: the loop trains on
 augmented batches (target tokens swapped or masked, prompts untouched) with noisy embeddings."""
 
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from ftlib.cli import sft
 
 
 def test_demo_finetune_with_augmentation_and_neftune(tmp_path, monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import finetune_lora
-
     seen = []
-    real_setup = finetune_lora.setup_augmentation
+    real_setup = sft.setup_augmentation
 
     def spy(*args, **kwargs):
         step = real_setup(*args, **kwargs)
@@ -28,10 +23,10 @@ def test_demo_finetune_with_augmentation_and_neftune(tmp_path, monkeypatch, caps
 
         return wrapped
 
-    monkeypatch.setattr(finetune_lora, "setup_augmentation", spy)
-    model, logs = finetune_lora.main(["--demo", "--out", str(tmp_path / "run"), "--max-steps", "2", "--log-every", "1",
-                                      "--num-proc", "1", "--num-workers", "0", "--augment", "--neftune-alpha", "5", "--grad-accum", "2",
-                                      "--augment-swap-prob", "0.5", "--augment-mask-prob", "0.1"])
+    monkeypatch.setattr(sft, "setup_augmentation", spy)
+    model, logs = sft.run(["--demo", "--out", str(tmp_path / "run"), "--max-steps", "2", "--log-every", "1",
+                           "--num-proc", "1", "--num-workers", "0", "--augment", "--neftune-alpha", "5", "--grad-accum", "2",
+                           "--augment-swap-prob", "0.5", "--augment-mask-prob", "0.1"])
     printed = capsys.readouterr().out
     assert "synonyms coverage: 16/23 words kept" in printed and "word not a single token): happy" in printed
     assert len(logs) == 2 and all(math.isfinite(r["loss"]) and r["skipped"] == 0 for r in logs)
@@ -47,4 +42,3 @@ def test_demo_finetune_with_augmentation_and_neftune(tmp_path, monkeypatch, caps
     assert n_swapped > 0 and n_masked > 0
     hooks = model.model.embed_tokens._forward_hooks
     assert len(hooks) == 1  # NEFTune is attached to the input embedding
-    sys.modules.pop("finetune_lora", None)

@@ -1,6 +1,7 @@
-"""Fine-tune a Llama-family model with LoRA / rsLoRA / DoRA / QLoRA from a loop you own, on 1 GPU or N.
+"""``ftlib sft``: fine-tune a Llama-family model with LoRA / rsLoRA / DoRA / QLoRA, on 1 GPU or N.
 
-Read it top to bottom, copy it, change it. The recipe:
+The full job behind the short loop of ``examples/sft.py`` (read that one to see the loop; copy it to
+change it): every flag, config file, resume rule, lenient mode, logger and multi-GPU engine. The recipe:
 
     1. load the base model and tokenizer (Hugging Face folder or hub repo id), adapt it (LoRA,
        optionally on an NF4-quantized base = QLoRA); on several ranks wrap it (DDP or FSDP2)
@@ -13,7 +14,7 @@ Read it top to bottom, copy it, change it. The recipe:
 
 A real run on one GPU (Llama-3-8B, QLoRA, chat data in JSONL with a "messages" field):
 
-    python examples/finetune_lora.py --model meta-llama/Meta-Llama-3-8B-Instruct \\
+    ftlib sft --model meta-llama/Meta-Llama-3-8B-Instruct \\
         --data data/chat/ --eval-data data/chat-eval/ --qlora --grad-ckpt \\
         --seq-len 4096 --batch-size 2 --grad-accum 8 --lr 2e-4 --out runs/llama3-qlora
 
@@ -25,7 +26,7 @@ every resume and its overrides. On another number of ranks it continues exactly 
 batch (--batch-size x ranks x --grad-accum) is kept (an --engine fsdp checkpoint on one process too), and is
 refused otherwise, naming the --grad-accum that keeps it.
 
-Several GPUs: launch the same script with ``torchrun --nproc_per_node=N``. The loader shards the
+Several GPUs: launch the same command with ``torchrun --nproc_per_node=N -m ftlib sft ...``. The loader shards the
 data by rank and the loss is normalised by the target tokens of the whole window on all ranks.
 
 - ``--engine ddp`` (the default under torchrun): ``ftlib.distributed.wrap_ddp``, gradients
@@ -42,13 +43,13 @@ data by rank and the loss is normalised by the target tokens of the whole window
   whole model; the adapters equal a one-process run's for the same --seed. (--dora loads the whole
   base per rank first: its magnitude vector needs whole weights.)
 
-    torchrun --standalone --nproc_per_node=8 examples/finetune_lora.py --engine fsdp \\
+    torchrun --standalone --nproc_per_node=8 -m ftlib sft --engine fsdp \\
         --model meta-llama/Meta-Llama-3-8B-Instruct --data data/chat/ --qlora --grad-ckpt \\
         --seq-len 4096 --batch-size 2 --grad-accum 4 --save-every 200 --out runs/llama3-qlora-fsdp
 
-The flags are shared with the other scripts and ``python -m ftlib.data build`` (``ftlib.train.cli``;
+The flags are shared with the other commands and ``ftlib data build`` (``ftlib.train.cli``;
 the README has the table): ``--lenient`` skips bad records and saves the report in --out;
-``--data`` may be a cache built by ``python -m ftlib.data build``; the chat template is the
+``--data`` may be a cache built by ``ftlib data build``; the chat template is the
 tokenizer's unless ``--chat-template`` names one, a run without one is refused, and the template
 used is written beside the adapter, every checkpoint and the merged model; ``--config FILE``
 (YAML/JSON, a run.json too) sits under the flags; ``--max-steps`` overrides ``--epochs``.
@@ -81,9 +82,9 @@ from ftlib.data import (
     MixedDocs,
     SkipReport,
     TokenLoader,
-    build_cache,
     iter_records,
     open_cache,
+    prepare_cache,
     render_chat,
 )
 from ftlib.data.cli import FlagError, FlagParser, data_error_message, data_sources, format_config_from_args
@@ -91,23 +92,22 @@ from ftlib.data.layouts import record_messages
 from ftlib.data.templates import ChatTemplate
 from ftlib.distributed import (
     ShardedCheckpointer,
-    device_mesh,
     export_adapter,
     export_merged,
     init_distributed,
     materialize_sharded,
     meta_model,
-    shard_model,
-    wrap_ddp,
+    wrap,
 )
-from ftlib.evaluation import evaluate, exact_match
+from ftlib.evaluation import before_after_table, evaluate, exact_match, heldout_report
 from ftlib.lora import LoRAConfig, apply_lora, count_params, save_adapter
 from ftlib.losses import CausalLMLoss
 from ftlib.metrics import FlopsModel, MetricsLogger, TokenStats, device_peak_flops, plot_metrics
 from ftlib.models import load_pretrained, load_tokenizer
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups
-from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
+from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay
 from ftlib.train import (
+    EarlyStop,
     ResumeError,
     add_data_flags,
     add_eval_flags,
@@ -120,7 +120,6 @@ from ftlib.train import (
     cpu_threads,
     eval_intervals,
     number,
-    open_loggers,
     parse_with_config,
     pick_precision,
     plan_steps,
@@ -134,6 +133,9 @@ from ftlib.train import (
     whole,
     write_run_manifest,
 )
+from ftlib.train.demo import DEMO_LEXICON
+
+__all__ = ["build_parser", "main", "parse_args", "run"]
 
 DEFAULTS = {"seq_len": 2048, "batch_size": 4, "grad_accum": 4, "epochs": 1, "lr": 2e-4, "lora_r": 16,
             "lora_alpha": 32.0, "eval_generate": 0}
@@ -156,7 +158,7 @@ FIXED = ("model", "kind", "chat_template", "seq_len", "lora_r", "lora_alpha", "t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = FlagParser(description=__doc__.split("\n")[0])
+    p = FlagParser(prog="ftlib sft", description=__doc__.split("\n")[0])
     # the flags every ftlib script shares (ftlib.train.cli); --seq-len etc. defaults: DEFAULTS / DEMO_DEFAULTS
     add_model_flags(p)
     add_data_flags(p)
@@ -195,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--demo", action="store_true", help="tiny model + data built on the fly")
     # On-device augmentation of each batch (see setup_augmentation at the end of this file).
     g.add_argument("--augment", action="store_true", help="synonym swap + masking of target tokens on the device")
-    g.add_argument("--augment-lexicon", default=str(Path(__file__).resolve().parent / "demo_lexicon"),
+    g.add_argument("--augment-lexicon", default=str(DEMO_LEXICON),
                    help="folder with synonyms.tsv (+ pos.tsv); default: the demo lexicon")
     g.add_argument("--augment-swap-prob", type=number(0, 1), default=0.15)
     g.add_argument("--augment-mask-prob", type=number(0, 1), default=0.05)
@@ -243,7 +245,7 @@ def check_engine(args, world: int) -> None:
     if args.engine == "none" and world > 1:
         usage_error(f"--engine none runs one process, but torchrun started {world}: use --engine ddp or fsdp")
     if args.engine != "none" and world == 1 and "RANK" not in os.environ:
-        usage_error(f"--engine {args.engine} needs torchrun (torchrun --nproc_per_node=N {Path(__file__).name} ...)")
+        usage_error(f"--engine {args.engine} needs torchrun (torchrun --nproc_per_node=N -m ftlib sft ...)")
     if args.engine != "ddp" and args.compression:
         usage_error("--compression is a DDP option (--engine ddp)")
     if args.engine != "fsdp" and (args.shard_size or args.cpu_offload or args.no_reshard_after_forward):
@@ -251,7 +253,7 @@ def check_engine(args, world: int) -> None:
     if args.engine == "fsdp" and (args.eval_generate or args.sample_every):
         if not args.demo or args.sample_every:
             usage_error("--eval-generate and --sample-every are not available under --engine fsdp (generation needs "
-                        "the whole model on one rank): generate with finetune_lora.py from the exported adapter")
+                        "the whole model on one rank): generate with ftlib sft --engine none from the exported adapter")
         args.eval_generate = 0
 
 
@@ -290,7 +292,7 @@ def load_model(args, device: torch.device, precision: str, *, meta: bool = False
 
 
 def _token_cache_dir(src) -> str | None:
-    """The folder when ``src`` is exactly one token cache built by ``python -m ftlib.data build``."""
+    """The folder when ``src`` is exactly one token cache built by ``ftlib data build``."""
     if src and len(src) == 1 and os.path.isfile(os.path.join(src[0], "manifest.json")):
         try:
             manifest = json.loads(Path(src[0], "manifest.json").read_text())
@@ -302,7 +304,7 @@ def _token_cache_dir(src) -> str | None:
 
 
 def open_prebuilt(cache_dir: str, flag: str, tok, args):
-    """A cache from ``python -m ftlib.data build`` as --data / --eval-data: it must have been built with
+    """A cache from ``ftlib data build`` as --data / --eval-data: it must have been built with
     this model's tokenizer and fit --seq-len; its format (kind, template) is the run's. Returns
     (cache, FormatConfig, ChatTemplate or None)."""
     try:
@@ -312,7 +314,7 @@ def open_prebuilt(cache_dir: str, flag: str, tok, args):
     m = cache.manifest
     if m.get("tokenizer_sha256") != hashlib.sha256(tok.tokenizer.to_str().encode()).hexdigest():
         usage_error(f"{flag} {cache_dir}: this cache was built with another tokenizer than --model {args.model}'s; "
-                    f"rebuild it with python -m ftlib.data build --tokenizer {args.model} ...")
+                    f"rebuild it with ftlib data build --tokenizer {args.model} ...")
     if m.get("format_class") not in (None, "ftlib.data.formatting.FormatConfig"):
         usage_error(f"{flag} {cache_dir}: built with {m['format_class']}, not chat/instruction/text records")
     fcfg = FormatConfig(**m["format_config"])
@@ -340,9 +342,9 @@ def _overlap(train_docs, eval_docs) -> int:
     return sum(hashlib.sha1(eval_docs[i][0].astype("int64").tobytes()).digest() in seen for i in range(len(eval_docs)))
 
 
-def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device, log):
+def build_data(args, tok, out: Path, rank: int, device: torch.device, log):
     """Tokenize once (cached, fingerprinted), pack rows of seq_len without cross-document attention.
-    --data / --eval-data may also be a cache built by ``python -m ftlib.data build``.
+    --data / --eval-data may also be a cache built by ``ftlib data build``.
 
     Returns (train loader, eval loader or None, format config, chat template or None, fingerprint of
     the data, number of held-out documents also in the training data)."""
@@ -374,7 +376,7 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
         if not src or name in caches:
             continue
         if name == "train" and weights:
-            caches[name] = MixedDocs([build_mixture_part(p, i, fcfg, tok, args, out, rank, world)
+            caches[name] = MixedDocs([build_mixture_part(p, i, fcfg, tok, args, out)
                                       for i, (p, _) in enumerate(mix)], names=[p for p, _ in mix])
             continue
         if prebuilt[name]:
@@ -385,14 +387,9 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
             continue
         cache_dir = str(out / ("cache" if name == "train" else "cache-eval"))
         flag = "--data" if name == "train" else "--eval-data"
-        try:
-            if rank == 0:  # one rank tokenizes; the others open the finished cache
-                build_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=args.num_proc, progress=True,
-                            strict=not args.lenient)
-            if world > 1:
-                torch.distributed.barrier()
-            caches[name] = build_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=1, progress=False,
-                                       strict=not args.lenient)
+        try:  # one rank tokenizes; the others open the finished cache
+            caches[name] = prepare_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=args.num_proc,
+                                         strict=not args.lenient)
         except DataError as e:
             usage_error(data_error_message(flag, e, args.lenient))
         except FileNotFoundError as e:
@@ -404,7 +401,7 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
     if rank == 0 and any(reports.values()):  # every skip, where the run's other records are
         (out / "skipped.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=1) + "\n")
     train_docs, eval_docs = caches["train"], caches.get("eval")
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    pad_id = tok.pad_id
     try:  # settings that parse but leave nothing to train on are refused here, naming the flag
         check_targets(train_docs, seq_len=args.seq_len)
         if args.eval_split:  # a fixed, seeded split of the training documents
@@ -428,7 +425,7 @@ def build_data(args, tok, out: Path, rank: int, world: int, device: torch.device
     return loader, eval_loader, fcfg, template, fp, overlap
 
 
-def build_mixture_part(src: str, i: int, fcfg, tok, args, out: Path, rank: int, world: int):
+def build_mixture_part(src: str, i: int, fcfg, tok, args, out: Path):
     """Source ``i`` of a weighted --data mixture: a cache of its own (a prebuilt one, or built under
     --out/cache/mix-i with the run's format)."""
     if _token_cache_dir([src]):
@@ -439,12 +436,7 @@ def build_mixture_part(src: str, i: int, fcfg, tok, args, out: Path, rank: int, 
         return cache
     cache_dir = str(out / "cache" / f"mix-{i}")
     try:
-        if rank == 0:
-            build_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=args.num_proc, progress=True,
-                        strict=not args.lenient)
-        if world > 1:
-            torch.distributed.barrier()
-        return build_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=1, progress=False, strict=not args.lenient)
+        return prepare_cache(src, tok.tokenizer, fcfg, cache_dir, num_proc=args.num_proc, strict=not args.lenient)
     except DataError as e:
         usage_error(data_error_message("--data", e, args.lenient))
     except FileNotFoundError as e:
@@ -493,62 +485,10 @@ def heldout_prompts(args, template: str | None, tok, n: int):
     return prompts, refs, questions
 
 
-def held_out_report(model, tok, eval_loader, prompts, refs, args, opt, *, rank: int, losses: dict | None = None,
-                    loss_fn=None) -> dict:
-    """Held-out loss/perplexity (``losses`` when just measured) and, on rank 0, exact match.
+def run(argv: list[str] | None = None):
+    """Run ``ftlib sft`` with ``argv`` (the flags); returns (the trained model, the per-step records).
 
-    ``evaluate`` is collective under torch.distributed: every rank calls this."""
-    rep = dict(losses or {})
-    if eval_loader is not None and not rep:
-        rep.update(evaluate(model, eval_loader, autocast=opt.autocast, loss_fn=loss_fn).to_dict())
-    if prompts and rank == 0:
-        em = exact_match(model, tok, prompts, refs, max_new_tokens=args.eval_max_new_tokens)
-        rep.update(exact_match=em.accuracy, exact_match_correct=em.correct, exact_match_total=em.total,
-                   predictions=em.predictions)
-    return rep
-
-
-def print_table(before: dict, after: dict, questions, refs, *, wall_s: float, train_s: float, tokens: int,
-                steps: int, overlap: int, n_heldout: int | None, log) -> None:
-    """The before/after table of the held-out evaluation; its header says what the overlap check found
-    (``overlap`` of the ``n_heldout`` held-out documents have the tokens of a training document)."""
-    rows = []
-    if "eval_loss" in after:
-        rows += [("held-out loss", f"{before.get('eval_loss', float('nan')):.4f}", f"{after['eval_loss']:.4f}"),
-                 ("held-out perplexity", f"{before.get('eval_ppl', float('nan')):.2f}", f"{after['eval_ppl']:.2f}")]
-    if "exact_match" in after:
-        def em(r):
-            return f"{r['exact_match_correct']}/{r['exact_match_total']} = {r['exact_match']:.1%}" if r else "-"
-        rows.append(("exact match", em(before if "exact_match" in before else None), em(after)))
-    if not rows:
-        return
-    n = after.get("exact_match_total")
-    log("")
-    if overlap:
-        what = f"{n} questions; " if n else ""
-        log(f"held-out evaluation ({what}{overlap} of {n_heldout} held-out documents are also in the training "
-            "data, exact token match):")
-    elif n:
-        log(f"held-out evaluation ({n} questions not in the training data):")  # checked: no exact duplicate
-    else:
-        log("held-out evaluation" + (f" ({n_heldout} documents, none in the training data)" if n_heldout else "")
-            + ":")
-    log(f"  {'':<22}{'before':>16}{'after':>16}")
-    for name, b, a in rows:
-        log(f"  {name:<22}{b:>16}{a:>16}")
-    log(f"  {steps} steps, wall time {wall_s:.0f} s (training {train_s:.0f} s), "
-        f"{tokens / max(train_s, 1e-9):,.0f} tokens/s")
-    def short(text: str) -> str:
-        return repr(text if len(text) <= 40 else text[:37] + "...")
-
-    width = max((len(q) for q in questions[:3]), default=0)
-    for i in range(min(3, len(questions))):
-        verdict = "right" if after["predictions"][i].strip() == refs[i].strip() else f"wrong, want {refs[i]!r}"
-        log(f"  {questions[i]:<{width}} -> {short(after['predictions'][i])} ({verdict})")
-    if before.get("predictions"):
-        log(f"  (before training, the first answer was {short(before['predictions'][0])})")
-
-def main(argv=None):
+    A bad flag or input exits with status 2 and a one-line error (argparse's convention)."""
     t_start = time.perf_counter()
     args = parse_args(argv)
     env = init_distributed()  # one process without torchrun; under torchrun: this rank's device, gloo/nccl
@@ -590,13 +530,11 @@ def main(argv=None):
     train_model = CausalLMLoss(model)  # batch -> (summed loss, target tokens); what DDP / FSDP2 wrap
     if args.compile:  # in place: parameter names (checkpoints, the adapter) stay those of the model
         train_model.compile()
-    if args.engine == "ddp":
-        train_model = wrap_ddp(train_model, compression=args.compression)
-    elif args.engine == "fsdp":
-        mesh = device_mesh(shard=args.shard_size) if args.shard_size else None
-        train_model = shard_model(train_model, mesh=mesh, mixed_precision="bf16" if precision == "bf16" else None,
-                                  reshard_after_forward=not args.no_reshard_after_forward, cpu_offload=args.cpu_offload,
-                                  sync_module_states=not sharded_load)
+    fsdp = args.engine == "fsdp"
+    train_model = wrap(train_model, engine=args.engine, compression=args.compression, shard_size=args.shard_size,
+                       mixed_precision="bf16" if fsdp and precision == "bf16" else None, cpu_offload=args.cpu_offload,
+                       reshard_after_forward=not args.no_reshard_after_forward, sync_module_states=not sharded_load)
+    if fsdp:
         if sharded_load:  # each rank reads its own rows; adapters drawn as one process draws them from --seed
             try:
                 materialize_sharded(train_model, device="cpu" if args.cpu_offload else device, seed=args.seed)
@@ -608,7 +546,7 @@ def main(argv=None):
     log(f"{args.engine} on {world} rank(s)" + (f", HSDP shard groups of {args.shard_size}" if args.shard_size else ""))
 
     # 2. data: each rank its slice of every step.
-    loader, eval_loader, fcfg, template, data_fp, overlap = build_data(args, tok, out, rank, world, device, log)
+    loader, eval_loader, fcfg, template, data_fp, overlap = build_data(args, tok, out, rank, device, log)
     pad_id = loader.opts["pad_id"]
     ps = loader.pack_stats
     if template is not None:
@@ -640,11 +578,10 @@ def main(argv=None):
     groups = param_groups(model, lr=args.lr, weight_decay=args.weight_decay, lora_plus_ratio=args.lora_plus)
     opt = TrainOptimizer(make_adamw(groups, lr=args.lr, weight_decay=args.weight_decay), precision=precision)
     clipper = GlobalNormClipper(args.clip)
-    warmup = resolve_warmup(total, warmup_ratio=args.warmup_ratio)
     if args.schedule == "plateau":
-        schedule = PlateauCosine(total=total, warmup=warmup, min_lr_ratio=0.1)
+        schedule = PlateauCosine(total=total, warmup_ratio=args.warmup_ratio, min_lr_ratio=0.1)
     else:
-        schedule = WarmupDecay(total=total, warmup=warmup, decay=args.schedule, min_lr_ratio=0.1)
+        schedule = WarmupDecay(total=total, warmup_ratio=args.warmup_ratio, decay=args.schedule, min_lr_ratio=0.1)
     sched = LRScheduler(opt.optimizer, schedule)
     sharded = args.engine == "fsdp"
     settings = run_settings(vars(args), SETTINGS, out=out) | {
@@ -657,8 +594,9 @@ def main(argv=None):
     except ResumeError as e:
         raise SystemExit(str(e)) from None
     step = resumed.step
-    early = {"best": None, "bad": 0, "stopped": False} | resumed.extra.get("early_stop", {})
-    if early["stopped"]:
+    early = EarlyStop(patience=args.early_stop or 0, min_delta=args.early_stop_delta)
+    early.load_state_dict(resumed.extra.get("early_stop", {}))
+    if early.stopped:
         log(f"the run stopped early at step {step} (held-out loss not improving); nothing left to train")
         total = step
     # evaluation: FSDP2 runs the forward through its wrapper (it gathers the weights in its hooks)
@@ -670,7 +608,8 @@ def main(argv=None):
     prompts, refs, questions = prompts[:args.eval_generate], refs[:args.eval_generate], questions[:args.eval_generate]
     before_file = out / "eval_before.json"
     if step == 0 and (eval_loader is not None or prompts):  # the base model (a fresh adapter changes nothing)
-        before = held_out_report(eval_model, tok, eval_loader, prompts, refs, args, opt, rank=rank, loss_fn=eval_loss)
+        before = heldout_report(eval_model, tok, eval_loader, prompts, refs, autocast=opt.autocast, loss_fn=eval_loss,
+                                max_new_tokens=args.eval_max_new_tokens)
         if rank == 0:
             before_file.write_text(json.dumps(before) + "\n")
     else:
@@ -688,11 +627,11 @@ def main(argv=None):
     tokens_seen, train_s = resumed.extra.get("tokens_seen", 0), resumed.extra.get("train_time_s", 0.0)
     logger = MetricsLogger(out / "metrics.jsonl", total_steps=total, start_step=step, rank=rank, world_size=world,
                            device=device, flops=flops, print_every=args.log_every,
-                           peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else device_peak_flops(device, precision))
-    loggers = open_loggers(args.report_to if rank == 0 else [], out=out, config=vars(args), start_step=step,
-                           run_name=out.name)
+                           peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else device_peak_flops(device, precision),
+                           report_to=args.report_to if rank == 0 else [], log_dir=out, run_config=vars(args),
+                           run_name=out.name)  # --report-to tensorboard / wandb: every record goes there too
     if step == 0 and "eval_loss" in before:  # the step-0 point of the held-out curve
-        loggers.log(logger.eval(0, {k: before[k] for k in ("eval_loss", "eval_ppl") if k in before}))
+        logger.eval(0, {k: before[k] for k in ("eval_loss", "eval_ppl") if k in before})
     tokenized = set()  # checkpoint folders that hold the tokenizer files and the template
 
     def save_tokenizer(folder: Path) -> None:
@@ -726,21 +665,15 @@ def main(argv=None):
             rec = logger.step(step, res, lr=sched.get_last_lr()[0], tokens=tokens, skipped_steps=opt.skipped_steps,
                               epoch=epoch)
             records.append(rec)
-            loggers.log(rec)
             tokens_seen += rec["tokens"]  # all ranks
             metrics = {}
             if eval_loader is not None and ((eval_every and step % eval_every == 0) or step == total):
                 metrics = evaluate(eval_model, eval_loader, autocast=opt.autocast, loss_fn=eval_loss).to_dict()
-                loggers.log(logger.eval(step, metrics))
-                if args.early_stop:  # patience counted in evals; the stop is saved, so a resume does not undo it
-                    if early["best"] is None or metrics["eval_loss"] < early["best"] - args.early_stop_delta:
-                        early["best"], early["bad"] = metrics["eval_loss"], 0
-                    else:
-                        early["bad"] += 1
-                    if early["bad"] >= args.early_stop:
-                        early["stopped"] = True
-                        log(f"early stop at step {step}: held-out loss {metrics['eval_loss']:.4f}, no improvement on "
-                            f"{early['best']:.4f} for {early['bad']} evals (--early-stop {args.early_stop})")
+                logger.eval(step, metrics)
+                # patience counted in evals; the stop is saved, so a resume does not undo it
+                if early.update(metrics["eval_loss"]):
+                    log(f"early stop at step {step}: held-out loss {metrics['eval_loss']:.4f}, no improvement on "
+                        f"{early.best:.4f} for {early.bad} evals (--early-stop {args.early_stop})")
             if args.sample_every and rank == 0 and (step % args.sample_every == 0 or step == total):
                 gen = exact_match(model, tok, *samples, max_new_tokens=args.eval_max_new_tokens)
                 rows = [{"prompt": p, "output": o, "reference": r} for p, r, o in zip(*samples, gen.predictions)]
@@ -748,22 +681,21 @@ def main(argv=None):
                     f.write(json.dumps({"step": step, "kind": "sample", "samples": rows}) + "\n")
                 for r in rows:
                     logger.write(f"sample @ step {step}: {r['prompt'][-60:]!r} -> {r['output']!r}")
-            if ckpt is not None and ((save_every and step % save_every == 0) or step == total or early["stopped"]):
+            if ckpt is not None and ((save_every and step % save_every == 0) or step == total or early.stopped):
                 # the last finished save (a background one may still run): the tokenizer and template beside it
                 done = getattr(ckpt, "last_saved", None) if rank == 0 else None
                 if done is not None and done.exists() and done not in tokenized:
                     save_tokenizer(done)
                 ckpt.save(step, model=train_model if sharded else model, optimizer=opt, scheduler=sched,
                           clipper=clipper, loader=loader, metrics=metrics, base_model_name_or_path=args.model,
-                          extra={**run_extra(settings, loader), "tokens_seen": tokens_seen, "early_stop": early,
+                          extra={**run_extra(settings, loader), "tokens_seen": tokens_seen, "early_stop": early.state_dict(),
                                  "train_time_s": train_s + time.perf_counter() - t_loop})
-            if step >= total or early["stopped"]:
+            if step >= total or early.stopped:
                 break
-        if early["stopped"]:
+        if early.stopped:
             break
     train_s += time.perf_counter() - t_loop
     logger.close()
-    loggers.close()
     if ckpt is not None:
         ckpt.close()  # waits for the last background write
         if rank == 0:  # every kept checkpoint's adapter is served with the tokenizer and template it trained with
@@ -777,8 +709,8 @@ def main(argv=None):
     # the held-out report; optionally a merged bf16 checkpoint for serving.
     after = None
     if eval_loader is not None or prompts:
-        after = held_out_report(eval_model, tok, eval_loader, prompts, refs, args, opt, rank=rank, losses=metrics,
-                                loss_fn=eval_loss)
+        after = heldout_report(eval_model, tok, eval_loader, prompts, refs, autocast=opt.autocast, loss_fn=eval_loss,
+                               losses=metrics, max_new_tokens=args.eval_max_new_tokens)
     if sharded:  # collective: every rank takes part in the gathers, rank 0 writes
         adapter_dir = export_adapter(train_model, out / "adapter", base_model_name_or_path=args.model)
         if args.save_merged:
@@ -805,9 +737,11 @@ def main(argv=None):
                        "world_size": world, "engine": args.engine, "wall_time_s": time.perf_counter() - t_start,
                        "train_time_s": train_s, "best_checkpoint": str(best) if best else None}
             (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-            print_table(before, after, questions, refs, wall_s=time.perf_counter() - t_start, train_s=train_s,
-                        tokens=tokens_seen, steps=step, overlap=overlap,
-                        n_heldout=len(eval_loader.docs) if eval_loader is not None else None, log=log)
+            for line in before_after_table(before, after, questions=questions, references=refs, steps=step,
+                                           wall_s=time.perf_counter() - t_start, train_s=train_s, tokens=tokens_seen,
+                                           overlap=overlap,
+                                           n_heldout=len(eval_loader.docs) if eval_loader is not None else None):
+                log(line)
         if args.save_merged and not sharded:
             save_merged(model, out / "merged", tokenizer_from=args.model, dtype=torch.bfloat16, chat_template=text)
             log(f"merged checkpoint saved to {out / 'merged'}")
@@ -855,5 +789,11 @@ def setup_augmentation(args, tok, model, device, rank, log):
     return step
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``ftlib sft ...``: the exit status (0; a usage error exits 2 with its one-line message)."""
+    run(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
-"""Run examples/finetune_lora.py's main() and SIGKILL this process at a chosen point.
+"""Run ``ftlib sft`` (ftlib.cli.sft.main) and SIGKILL this process at a chosen point.
 
-    python tests/_train_kill_worker.py [--kill-backward N | --kill-save K:F] -- <finetune_lora args>
+    python tests/cli/_sft_kill_worker.py [--kill-backward N | --kill-save K:F] -- <ftlib sft flags>
 
 ``--kill-backward N``: SIGKILL just before the N-th ``TrainOptimizer.backward`` of this process
 (N not a multiple of --grad-accum: inside an accumulation window). ``--kill-save K:F``: SIGKILL
@@ -12,10 +12,6 @@ no handler, no flush, no atexit.
 import os
 import signal
 import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
 
 
 def _die():
@@ -25,8 +21,6 @@ def _die():
 def main(argv):
     sep = argv.index("--")
     opts, args = argv[:sep], argv[sep + 1:]
-    import finetune_lora
-
     from ftlib import checkpoint
     from ftlib.checkpoint import format as ckformat
     from ftlib.optim import TrainOptimizer
@@ -62,7 +56,9 @@ def main(argv):
 
         checkpoint.Checkpointer.save = counted_save
         ckformat.write_safetensors = counted_write
-    finetune_lora.main(args)
+    from ftlib.cli import sft
+
+    sys.exit(sft.main(args))
 
 
 if __name__ == "__main__":

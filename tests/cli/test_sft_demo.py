@@ -1,33 +1,23 @@
-"""End to end: the demo fine-tune trains, lowers the loss, writes its checkpoints, metrics, plot, run
+"""``ftlib sft --demo`` end to end: the demo fine-tune trains, lowers the loss, writes its checkpoints, metrics, plot, run
 manifest and held-out report, and its PEFT-format adapter reloads exactly; reruns are refused or resumed.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from ftlib.cli import sft
+
 STEPS = 20
 
 
 @pytest.fixture(scope="module")
-def finetune_lora():
-    sys.path.insert(0, str(EXAMPLES))
-    import finetune_lora
-
-    yield finetune_lora
-    sys.path.remove(str(EXAMPLES))
-    sys.modules.pop("finetune_lora", None)
-
-
-@pytest.fixture(scope="module")
-def demo_run(finetune_lora, tmp_path_factory):
+def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
-    model, records = finetune_lora.main(["--demo", "--out", str(out), "--max-steps", str(STEPS), "--num-proc", "1",
-                                         "--num-workers", "0", "--eval-generate", "8", "--log-every", "10"])
+    model, records = sft.run(["--demo", "--out", str(out), "--max-steps", str(STEPS), "--num-proc", "1",
+                               "--num-workers", "0", "--eval-generate", "8", "--log-every", "10"])
     return out, model, records
 
 
@@ -97,29 +87,28 @@ def test_demo_writes_checkpoints_metrics_plot_manifest_and_report(demo_run):
     assert Path(summary["best_checkpoint"]).name.startswith("step-")
 
 
-def test_rerun_into_a_used_out_is_refused_and_resume_of_a_finished_run_is_a_no_op(finetune_lora, demo_run, capsys):
+def test_rerun_into_a_used_out_is_refused_and_resume_of_a_finished_run_is_a_no_op(demo_run, capsys):
     out, _, _ = demo_run
     args = ["--demo", "--out", str(out), "--max-steps", str(STEPS), "--num-proc", "1", "--num-workers", "0",
             "--eval-generate", "0"]
     with pytest.raises(SystemExit, match="holds checkpoints of an earlier run .*pass --resume"):
-        finetune_lora.main(args)
-    _, records = finetune_lora.main([*args, "--resume"])
+        sft.main(args)
+    _, records = sft.run([*args, "--resume"])
     assert records == []  # nothing left to train
     assert f"resumed from {out / 'checkpoints' / f'step-{STEPS:08d}'}" in capsys.readouterr().out
     assert len(json.loads((out / "run.json").read_text())["resumes"]) == 1
 
 
-def test_eval_split_holds_out_training_documents(finetune_lora, tmp_path):
-    _, records = finetune_lora.main(["--demo", "--out", str(tmp_path), "--max-steps", "2", "--num-proc", "1",
-                                     "--num-workers", "0", "--eval-split", "0.1", "--eval-generate", "0",
-                                     "--save-every", "0"])
+def test_eval_split_holds_out_training_documents(tmp_path):
+    _, records = sft.run(["--demo", "--out", str(tmp_path), "--max-steps", "2", "--num-proc", "1",
+                           "--num-workers", "0", "--eval-split", "0.1", "--eval-generate", "0", "--save-every", "0"])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert len(records) == 2 and summary["after"]["eval_tokens"] > 1000  # 200 of the 2000 documents
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000002"]  # the final one only
 
 
 @pytest.mark.slow
-def test_full_demo_answers_held_out_questions(finetune_lora, tmp_path):
-    finetune_lora.main(["--demo", "--out", str(tmp_path)])
+def test_full_demo_answers_held_out_questions(tmp_path):
+    assert sft.main(["--demo", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["before"]["exact_match"] <= 0.05 and summary["after"]["exact_match"] >= 0.8, summary

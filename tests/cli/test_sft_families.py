@@ -1,4 +1,4 @@
-"""``examples/finetune_lora.py --model`` on tiny Qwen3, Gemma-3 and Phi-3 folders (written by transformers,
+"""``ftlib sft --model`` on tiny Qwen3, Gemma-3 and Phi-3 folders (written by transformers,
 the demo's tokenizer and data, each family's chat template): it trains, lowers nothing it should not, and
 its adapter loads in PEFT on the transformers model with ftlib's logits. The assistant-only loss mask of
 each template is checked token by token in ``tests/data/test_formatting.py`` (gemma, phi3, qwen2) and
@@ -15,9 +15,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-ROOT = Path(__file__).resolve().parent
-EXAMPLES = ROOT.parent / "examples"
-sys.path.insert(0, str(ROOT / "data"))
+from ftlib.cli import sft  # noqa: E402
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS / "data"))
 from _chat_templates import PHI3, QWEN2, QWEN3  # noqa: E402
 
 # Gemma-3's template (tokenizer_config.json of the instruct models, text items only): the system turn is
@@ -46,24 +47,14 @@ FAMILIES = {
 
 
 @pytest.fixture(scope="module")
-def finetune_lora():
-    sys.path.insert(0, str(EXAMPLES))
-    import finetune_lora
-
-    yield finetune_lora
-    sys.path.remove(str(EXAMPLES))
-    sys.modules.pop("finetune_lora", None)
-
-
-@pytest.fixture(scope="module")
-def assets(finetune_lora, tmp_path_factory):
+def assets(tmp_path_factory):
     from ftlib.train.demo import make_demo_assets
 
     return make_demo_assets(tmp_path_factory.mktemp("assets"), n_records=64)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_finetune_cli_on_family(family, finetune_lora, assets, tmp_path):
+def test_finetune_cli_on_family(family, assets, tmp_path):
     from tokenizers import Tokenizer
 
     cfg_name, extra, template, eos = FAMILIES[family]
@@ -78,9 +69,9 @@ def test_finetune_cli_on_family(family, finetune_lora, assets, tmp_path):
     tcfg.update(chat_template=template)  # the demo vocabulary has <|im_end|> as its EOS (kept)
     (folder / "tokenizer_config.json").write_text(json.dumps(tcfg))
     out = tmp_path / "run"
-    model, logs = finetune_lora.main(["--model", str(folder), "--data", str(assets / "data"), "--kind", "chat",
-                                      "--out", str(out), "--max-steps", "3", "--num-proc", "1", "--num-workers", "0",
-                                      "--log-every", "1", "--seq-len", "128"])
+    model, logs = sft.run(["--model", str(folder), "--data", str(assets / "data"), "--kind", "chat",
+                           "--out", str(out), "--max-steps", "3", "--num-proc", "1", "--num-workers", "0",
+                           "--log-every", "1", "--seq-len", "128"])
     assert [r["step"] for r in logs] == [1, 2, 3] and all(r["loss"] == r["loss"] for r in logs)
     pm = peft.PeftModel.from_pretrained(hf.eval(), out / "adapter").eval()
     ids = torch.randint(0, vocab, (2, 24))
@@ -88,15 +79,15 @@ def test_finetune_cli_on_family(family, finetune_lora, assets, tmp_path):
         torch.testing.assert_close(model.eval()(ids), pm(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_unsupported_model_type_is_a_usage_error(finetune_lora, assets, tmp_path, capsys):
+def test_unsupported_model_type_is_a_usage_error(assets, tmp_path, capsys):
     folder = tmp_path / "m"
     shutil.copytree(assets / "base", folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["rope_scaling"] = {"rope_type": "su", "factor": 2.0}
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SystemExit) as e:
-        finetune_lora.main(["--model", str(folder), "--data", str(assets / "data"), "--kind", "chat",
-                            "--out", str(tmp_path / "run"), "--max-steps", "1", "--num-proc", "1"])
+        sft.main(["--model", str(folder), "--data", str(assets / "data"), "--kind", "chat",
+                  "--out", str(tmp_path / "run"), "--max-steps", "1", "--num-proc", "1"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "rope_type 'su' is not supported" in err and "Traceback" not in err

@@ -1,4 +1,4 @@
-"""examples/finetune_lora.py --engine fsdp under torchrun (2 CPU ranks, gloo), as a user runs it: the demo
+"""``ftlib sft --engine fsdp`` under torchrun (``torchrun -m ftlib sft``) (2 CPU ranks, gloo), as a user runs it: the demo
 trains, writes sharded checkpoints and a PEFT adapter; a run cut after its first checkpoint and resumed
 ends with the same adapter, bit for bit; the DDP engine runs the same loop."""
 
@@ -15,15 +15,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the torc
 from _torchrun import torchrun  # noqa: E402
 
 pytestmark = pytest.mark.distributed
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "examples" / "finetune_lora.py"
 ARGS = ("--engine", "fsdp", "--demo", "--max-steps", "6", "--save-every", "3", "--log-every", "2", "--num-proc", "1", "--num-workers", "0")
 
 
 def launch(out: Path, *extra: str, timeout: float = 300.0) -> str:
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with gloo")
-    return torchrun(SCRIPT, "--out", str(out), *ARGS, *extra, timeout=timeout)
+    return torchrun("-m", "ftlib", "sft", "--out", str(out), *ARGS, *extra, timeout=timeout)
 
 
 def test_fsdp_demo_trains_checkpoints_and_resumes_bitwise(tmp_path):

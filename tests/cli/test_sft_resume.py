@@ -1,6 +1,6 @@
 """Exact resume: a run SIGKILLed at seeded random points and resumed ends bitwise equal to one never
-stopped; two runs with the same seed are bitwise equal. Each run is examples/finetune_lora.py in a
-subprocess (tests/_train_kill_worker.py), on the demo's tiny model with a small dataset, with LoRA
+stopped; two runs with the same seed are bitwise equal. Each run is ``ftlib sft`` in a
+subprocess (tests/cli/_sft_kill_worker.py), on the demo's tiny model with a small dataset, with LoRA
 dropout on, a DataLoader worker, two epochs and several accumulation windows per epoch.
 """
 
@@ -15,18 +15,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "_train_kill_worker.py"
+from ftlib.cli import sft
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_sft_kill_worker.py")
+SFT = ("-m", "ftlib", "sft")  # torchrun -m ftlib sft ...
 GRAD_ACCUM = 3
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from ftlib.train.demo import make_demo_assets
-    finally:
-        sys.path.pop(0)
+    from ftlib.train.demo import make_demo_assets
+
     return make_demo_assets(tmp_path_factory.mktemp("assets"), n_records=160)
 
 
@@ -118,14 +118,7 @@ def test_sigkill_at_random_points_then_resume_is_bitwise_exact(assets, reference
 
 
 def _finetune(argv):
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import finetune_lora
-
-        return finetune_lora.main(argv)
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-        sys.modules.pop("finetune_lora", None)
+    return sft.run(argv)
 
 
 def _small(assets: Path, out: Path, *extra: str) -> list[str]:
@@ -191,14 +184,13 @@ def test_one_process_checkpoint_on_two_ranks_replans_exactly_or_is_refused(asset
         if p.name != "step-00000002":
             shutil.rmtree(p)
     shutil.rmtree(cut / "adapter")
-    script = ROOT / "examples" / "finetune_lora.py"
     # the same flags on 2 ranks double the global batch: refused, naming both world sizes (not "resumed", 0 steps)
     with pytest.raises(AssertionError) as e:
-        torchrun(script, *_small(assets, cut, "--grad-accum", "2", "--max-steps", "6", "--resume"), timeout=300)
+        torchrun(*SFT, *_small(assets, cut, "--grad-accum", "2", "--max-steps", "6", "--resume"), timeout=300)
     assert "saved on 1 rank(s)" in str(e.value) and "this run has 2 rank(s)" in str(e.value), str(e.value)[-3000:]
     assert "--grad-accum 1" in str(e.value)
     # the global batch kept (2 rows x 1 micro-batch x 2 ranks): the data position is re-planned exactly
-    text = torchrun(script, *_small(assets, cut, "--grad-accum", "1", "--max-steps", "6", "--resume"), timeout=300)
+    text = torchrun(*SFT, *_small(assets, cut, "--grad-accum", "1", "--max-steps", "6", "--resume"), timeout=300)
     assert "resumed from" in text and "re-planned the data position from 1 rank(s) to 2" in text
     steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").read_text().splitlines()
              if json.loads(line).get("kind") != "eval"]
@@ -224,9 +216,8 @@ def test_fsdp_checkpoint_resumes_on_one_process_with_the_grad_accum_the_refusal_
 
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with gloo")
-    script = ROOT / "examples" / "finetune_lora.py"
     full = tmp_path / "full"  # 2 ranks x 2 rows x 1 micro-batch a step, uninterrupted
-    torchrun(script, *_small(assets, full, "--engine", "fsdp", "--grad-accum", "1", "--max-steps", "6", "--keep", "10"),
+    torchrun(*SFT, *_small(assets, full, "--engine", "fsdp", "--grad-accum", "1", "--max-steps", "6", "--keep", "10"),
              timeout=300)
     cut = tmp_path / "cut"  # the same run cut after step 2
     shutil.copytree(full, cut)

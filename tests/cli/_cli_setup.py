@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "examples" / "finetune_lora.py"
+SFT = ("-m", "ftlib", "sft")  # the command as installed: python -m ftlib sft
 
 # A template written as text (not a built-in name), ChatML-like with its own markers.
 TEMPLATE = ("{% for m in messages %}<|turn|>{{ m['role'] }}\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -98,4 +98,4 @@ def run_cli(*args, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def train(*args, **kw) -> subprocess.CompletedProcess:
-    return run_cli(SCRIPT, *SMALL, *args, **kw)
+    return run_cli(*SFT, *SMALL, *args, **kw)

@@ -1,16 +1,17 @@
-"""The training script and the data CLI driven as a user drives them (issue 22, items 1-6): a subprocess
+"""``ftlib sft`` and the data CLI driven as a user drives them (issue 22, items 1-6): a subprocess
 each, on a tiny model of the user's own whose tokenizer_config.json holds its template as text, and a
-JSONL with malformed lines (tests/train/_cli_setup.py)."""
+JSONL with malformed lines (tests/cli/_cli_setup.py)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from _cli_setup import N_BAD, SCRIPT, TEMPLATE, make_user_setup, run_cli, train
+from _cli_setup import N_BAD, TEMPLATE, make_user_setup, run_cli, train
 from safetensors.torch import load_file
+
+from ftlib.cli import sft
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_strict_stops_lenient_skips_reports_and_data_cli_cache_is_read(user, tmp
                 "--lenient", "--num-proc", "1", "--no-progress", "--max-length", "64")
     assert r.returncode == 0, r.stderr[-3000:]
     r = train("--model", user["model"], "--data", cache2, "--out", tmp_path / "x", "--max-steps", "1")
-    one_line_error(r, "another tokenizer", "ftlib.data build --tokenizer")
+    one_line_error(r, "another tokenizer", "ftlib data build --tokenizer")
 
 
 # ---- a config file; lenient run; --max-steps over epochs; a rerun from run.json ------
@@ -99,12 +100,7 @@ def test_log_lines_read_cleanly(config_runs):
     _, ra, _, _ = config_runs
     assert "trainable params: 1,024 / " in ra.stdout and "trainable params: trainable params" not in ra.stdout
     assert "PackStats(" not in ra.stdout and "packing: 18 rows of 64 tokens, " in ra.stdout
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import finetune_lora
-    finally:
-        sys.path.pop(0)
-    help_text = finetune_lora.build_parser().format_help()
+    help_text = sft.build_parser().format_help()
     assert "no progress bar" not in help_text and "a terminal gets a progress bar" in help_text
 
 
@@ -131,13 +127,8 @@ def test_config_file_and_rerun_from_run_json_reproduce_the_run(config_runs):
 
 def test_config_errors_name_the_key(tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({"model": "m", "learning_rate": 1.0}))
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import finetune_lora
-    finally:
-        sys.path.pop(0)
     with pytest.raises(SystemExit) as e:
-        finetune_lora.parse_args(["--config", str(tmp_path / "bad.json"), "--out", str(tmp_path / "o")])
+        sft.parse_args(["--config", str(tmp_path / "bad.json"), "--out", str(tmp_path / "o")])
     assert e.value.code == 2
     assert "learning_rate is not a flag" in capsys.readouterr().err
 
@@ -203,15 +194,10 @@ def test_same_flags_same_defaults_and_flag_errors(user, tmp_path):
     from ftlib.data.__main__ import main as data_main  # noqa: F401 -- the CLI module imports
     from ftlib.data.cli import add_format_flags
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import finetune_lora
-    finally:
-        sys.path.pop(0)
     ref = argparse.ArgumentParser()
     add_format_flags(ref)
     shared = {a.dest: (a.option_strings, a.default, a.help) for a in ref._actions if a.dest != "help"}
-    trainer = {a.dest: (a.option_strings, a.default, a.help) for a in finetune_lora.build_parser()._actions}
+    trainer = {a.dest: (a.option_strings, a.default, a.help) for a in sft.build_parser()._actions}
     for dest, spec in shared.items():
         assert trainer[dest] == spec, dest
     assert shared["kind"][1] == "chat"
@@ -339,3 +325,9 @@ def test_early_stop_with_save_every_0_evaluates_and_can_stop(user, tmp_path):
     r = train("--model", user["model"], "--data", user["train"], "--lenient", "--eval-split", "0.2", "--early-stop",
               "1", "--save-every", "0", "--eval-every", "0", "--max-steps", "20", "--out", tmp_path / "never")
     one_line_error(r, "--early-stop 1 needs 2 held-out evals", "--eval-every 0 evaluates only at the end")
+
+
+def test_the_command_names_itself_in_its_errors(tmp_path):
+    r = run_cli("-m", "ftlib", "sft", "--out", tmp_path / "o")
+    line = one_line_error(r, "--model and --data are required")
+    assert line.startswith("ftlib sft: error:") and "(see ftlib sft --help)" in r.stderr
