@@ -121,7 +121,8 @@ def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = N
         sliding_window=sliding_window, softcap=softcap)
     return _choose(
         want, is_cuda=q.is_cuda, dtype=q.dtype, head_dim=q.shape[-1], masked=key_padding_mask is not None,
-        have_flash=_installed("flash_attn"), have_triton=_installed("triton"), interpret=_interpret(),
+        have_flash=(q.is_cuda or want == "flash") and _installed("flash_attn"),
+        have_triton=(q.is_cuda or want == "triton") and _installed("triton"), interpret=_interpret(),
         cpu_why=cpu_why,
     )
 
