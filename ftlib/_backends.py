@@ -79,7 +79,7 @@ def backend_choice(variable: str) -> str:
 
 
 def cannot_run(variable: str, backend: str, why: str) -> RuntimeError:
-    """The error for a forced backend that cannot run a call: ``FTLIB_X_BACKEND=name cannot run this
+    """The error for a forced backend that cannot run a call: ``<variable>=<backend> cannot run this
     call: why`` (raise it)."""
     return RuntimeError(f"{variable}={backend} cannot run this call: {why}")
 
