@@ -1,7 +1,7 @@
 """Build a ``csrc/*.cpp`` file into a plain shared library on first use and load it with ctypes.
 
-Used by the data path (``ftlib.data``: packing) and by the CPU compute kernels
-(LoRA's dropout products, ``ftlib.lora.dropout``; SwiGLU, ``ftlib.kernels.swiglu``).
+Used by the data path (``ftlib.data``: packing, sources in ``csrc/``) and by the CPU wing's compute
+kernels (``ftlib.cpu``, sources in ``ftlib/cpu/csrc/``, named by absolute path).
 
 One library per source file and hash of the source and the local headers it includes, under
 ``$FTLIB_CACHE_DIR/csrc/<hash>/``
@@ -13,7 +13,8 @@ renamed, so processes building at the same time never load a half-written file, 
 written beside it (``<lib>.so.sha256``) before the rename: a library that does not match it (cut
 short, zero bytes, another kernel's library copied there) is rebuilt, never loaded.
 
-Every caller has a Python path, taken when ``load_library`` gives None. No compiler at all gives
+Every caller has a Python path, taken when ``load_library`` gives None; ``build_error`` says why
+it gave None (for the error a forced backend raises). No compiler at all gives
 None quietly; any other build problem (``$CXX`` names no executable, the cache directory cannot be
 written, the compiler fails) gives one ``CppBuildWarning`` per process naming the compiler, the
 cache path and what to change, then None.
@@ -38,12 +39,13 @@ import shutil
 import subprocess
 import warnings
 
-__all__ = ["CppBuildWarning", "PARALLEL_MIN", "cache_root", "csrc_path", "kernel_threads", "load_library",
-           "loaded_openmp_runtime", "tensor_ptr"]
+__all__ = ["CppBuildWarning", "PARALLEL_MIN", "build_error", "cache_root", "csrc_path", "kernel_threads",
+           "load_library", "loaded_openmp_runtime", "tensor_ptr"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LOADED: dict[tuple[str, bool], ctypes.CDLL | None] = {}
 _WARNED: set[str] = set()
+_WHY: dict[tuple[str, bool], str] = {}
 
 
 class CppBuildWarning(UserWarning):
@@ -77,7 +79,10 @@ def cache_root() -> str:
 
 
 def csrc_path(name: str) -> str:
-    """Path of ``csrc/<name>`` (source checkout) or ``ftlib/_csrc/<name>`` (installed wheel)."""
+    """Path of ``csrc/<name>`` (source checkout) or ``ftlib/_csrc/<name>`` (installed wheel); an absolute
+    ``name`` is its own path (the CPU wing's sources live in its package, ``ftlib/cpu/csrc``)."""
+    if os.path.isabs(name):
+        return name
     repo = os.path.join(os.path.dirname(_HERE), "csrc", name)
     wheel = os.path.join(_HERE, "_csrc", name)
     return repo if os.path.exists(repo) or not os.path.exists(wheel) else wheel
@@ -185,44 +190,66 @@ def load_library(name: str, openmp: bool = False) -> ctypes.CDLL | None:
     return _LOADED[(name, openmp)]
 
 
-def _load(name: str, openmp: bool) -> ctypes.CDLL | None:
-    src_path = csrc_path(name)
-    cxx, shown = _compiler()
-    if cxx is None or not os.path.exists(src_path):
-        return None  # no compiler at all (documented: the Python path), or a build without the sources
-    if not cxx or shutil.which(cxx[0]) is None:
-        _warn_once(f"ftlib: CXX={shown!r} names no executable C++ compiler, so csrc/{name} and the other C++ "
-                   f"CPU kernels are not built (cache: {os.path.join(cache_root(), 'csrc')}). Set CXX to an "
-                   "installed compiler (CXX=g++, CXX='ccache g++'), or unset it to use c++ / g++ / clang++ "
-                   "from PATH.")
+def build_error(name: str, openmp: bool = False) -> str | None:
+    """Why ``load_library(name, openmp)`` gave None (the compiler's message, or what is missing); None
+    when it gave a library or has not been called."""
+    if _LOADED.get((name, openmp), True) is not None:
         return None
+    return _WHY.get((name, openmp), "unknown")
+
+
+def _load(name: str, openmp: bool) -> ctypes.CDLL | None:
+    lib, why = _build_and_open(name, openmp)
+    if lib is None:
+        _WHY[(name, openmp)] = why
+    return lib
+
+
+def _build_and_open(name: str, openmp: bool) -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "") or (None, why not); a build problem also warns once (``_warn_once``)."""
+    src_path = csrc_path(name)
+    label = os.path.relpath(name, os.path.dirname(_HERE)) if os.path.isabs(name) else f"csrc/{name}"
+    cxx, shown = _compiler()
+    if cxx is None:  # no compiler at all (documented: the Python path)
+        return None, "no C++ compiler found (c++, g++ or clang++ on PATH, or $CXX)"
+    if not os.path.exists(src_path):  # a build without the sources
+        return None, f"{label} is missing from this installation"
+    if not cxx or shutil.which(cxx[0]) is None:
+        why = (f"ftlib: CXX={shown!r} names no executable C++ compiler, so {label} and the other C++ "
+               f"CPU kernels are not built (cache: {os.path.join(cache_root(), 'csrc')}). Set CXX to an "
+               "installed compiler (CXX=g++, CXX='ccache g++'), or unset it to use c++ / g++ / clang++ "
+               "from PATH.")
+        _warn_once(why)
+        return None, why
     src = _source_with_headers(src_path)
     runtime = loaded_openmp_runtime() if openmp else None
     why = ""
     for rt in ([runtime, None] if runtime else [None]):
         key = hashlib.sha256(src + (b"\0openmp:" + rt.encode() if rt else b"")).hexdigest()[:16]
         out_dir = os.path.join(cache_root(), "csrc", key)
-        so = os.path.join(out_dir, f"libftlib_{os.path.splitext(name)[0]}.so")
+        so = os.path.join(out_dir, f"libftlib_{os.path.splitext(os.path.basename(name))[0]}.so")
         intact = _intact(so)
         try:
             os.makedirs(out_dir, exist_ok=True)
             if not (intact or os.access(out_dir, os.W_OK)):
                 raise PermissionError(13, "not writable")
         except OSError as e:
-            _warn_once(f"ftlib: cannot write the C++ kernel cache {out_dir} ({e.strerror or e}), so csrc/{name} "
-                       f"is not built (compiler {shown}). Set FTLIB_CACHE_DIR to a writable directory.")
-            return None
+            why = (f"ftlib: cannot write the C++ kernel cache {out_dir} ({e.strerror or e}), so {label} "
+                   f"is not built (compiler {shown}). Set FTLIB_CACHE_DIR to a writable directory.")
+            _warn_once(why)
+            return None, why
         if not intact:  # missing, cut short, or not the library this build wrote: (re)build it
             why = _build_into(cxx, src_path, so, rt)
             if why is not None:
                 continue  # the OpenMP build failing falls back to the plain one
         try:
-            return ctypes.CDLL(so)
+            return ctypes.CDLL(so), ""
         except OSError as e:
             why = str(e)
-    _warn_once(f"ftlib: the C++ compiler {shown} could not build csrc/{name} into {os.path.join(cache_root(), 'csrc')}"
-               f": {why}. Install a working C++17 compiler or set CXX to one.")
-    return None
+    why = (f"ftlib: the C++ compiler {shown} could not build {label} into {os.path.join(cache_root(), 'csrc')}"
+           f": {why}. Install a working C++17 compiler or set CXX to one.")
+    _warn_once(why)
+    return None, why
 
 
 # Below this many elements a kernel runs on one thread (a parallel region costs a few us).

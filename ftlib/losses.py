@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ftlib.kernels.linear_cpu import linear_cpu
+from ftlib.kernels.linear import linear_nograd
 from ftlib.kernels.xent_block import xent_block_, xent_block_backend
 
 __all__ = ["BATCH_KEYS", "CausalLMLoss", "IGNORE_INDEX", "auto_chunk_size", "bradley_terry_loss",
@@ -136,9 +136,9 @@ class _ChunkedCE(torch.autograd.Function):
                 if tr:  # the block as (V, C): W (V, H) @ hc^T, C padded to a multiple of 16 (see _vocab_major)
                     pad = -hc.shape[0] % 16
                     hp = torch.cat([hc, hc.new_zeros(pad, hc.shape[1])]) if pad else hc
-                    # on oneDNN where torch has it (ftlib.kernels.linear_cpu: 1.8x MKL here); the gradient's
+                    # on oneDNN where torch has it (ftlib.kernels.linear: 1.8x MKL here); the gradient's
                     # z^T W stays on MKL, which beat oneDNN's layouts of it short of a [H, V] copy of W
-                    z, d, yc = linear_cpu(w, hp)[:, : hc.shape[0]], 0, yc[None, :]
+                    z, d, yc = linear_nograd(w, hp)[:, : hc.shape[0]], 0, yc[None, :]
                 else:  # as (C, V): hc @ W^T
                     z, d, yc = hc @ w.t(), 1, yc[:, None]
                 if z.dtype != acc:
@@ -148,7 +148,7 @@ class _ChunkedCE(torch.autograd.Function):
                     dcap = 1.0 - z * z if need_h or need_w else None
                     z.mul_(softcap)
                 z_y = z.gather(d, yc)  # label logits, before z is overwritten
-                if softcap is None and tr and xent_block_backend(z) == "cpp":  # two passes over the block, not five
+                if softcap is None and tr and xent_block_backend(z) == "cpu":  # two passes over the block, not five
                     total += (xent_block_(z, yc[0], need_h or need_w) - z_y[0]).sum()
                 else:
                     m = z.amax(dim=d, keepdim=True)

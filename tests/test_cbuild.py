@@ -24,8 +24,9 @@ _CHILD = r"""
 import ctypes, sys
 import torch
 from ftlib import _cbuild
+from ftlib.cpu._library import source
 rt = _cbuild.loaded_openmp_runtime()
-lib = _cbuild.load_library("swiglu.cpp", openmp=True)
+lib = _cbuild.load_library(source("swiglu"), openmp=True)
 assert lib is not None and lib.ft_swiglu_openmp() == 1, "not built with OpenMP"
 n = 1 << 17
 g, u, h = torch.randn(n), torch.randn(n), torch.empty(n)
@@ -61,7 +62,7 @@ def test_failed_openmp_build_falls_back_to_a_plain_build(tmp_path, monkeypatch):
     monkeypatch.setenv("FTLIB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(_cbuild, "_LOADED", {})
     monkeypatch.setattr(_cbuild, "loaded_openmp_runtime", lambda: str(bogus))
-    lib = _cbuild.load_library("swiglu.cpp", openmp=True)
+    lib = _cbuild.load_library(str(ROOT / "ftlib" / "cpu" / "csrc" / "swiglu.cpp"), openmp=True)
     assert lib is not None and lib.ft_swiglu_openmp() == 0
     n = 1000
     g, u, h = torch.randn(n), torch.randn(n), torch.empty(n)
@@ -141,12 +142,33 @@ def test_cxx_naming_no_compiler_warns_once_then_runs_the_pytorch_path(tmp_path):
     assert "/nonexistent/g++" in w and str(tmp_path) in w and "Set CXX" in w, w
 
 
+_FORCED = r"""
+import torch
+from ftlib.kernels import swiglu
+try:
+    swiglu(torch.randn(4, 64), torch.randn(4, 64))
+except RuntimeError as e:
+    print(e)
+"""
+
+
+def test_forcing_the_cpu_kernel_when_the_build_fails_is_an_error_naming_why(tmp_path):
+    """FTLIB_SWIGLU_BACKEND=cpu with a compiler that cannot run: a RuntimeError naming the variable and the
+    build's own message (which names CXX), not a silent PyTorch path."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CXX": "/nonexistent/g++", "FTLIB_CACHE_DIR": str(tmp_path),
+           "FTLIB_SWIGLU_BACKEND": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _FORCED], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    msg = r.stdout.strip()
+    assert msg.startswith("FTLIB_SWIGLU_BACKEND=cpu cannot run this call: ") and "/nonexistent/g++" in msg, msg
+
+
 def test_cxx_with_a_launcher_word_builds_the_kernels(tmp_path):
     """CXX="ccache g++" (a launcher, then the compiler) is split as a shell would: the kernels build."""
     cxx = _compiler_or_skip()
     launcher = shutil.which("ccache") or shutil.which("env")  # env: a launcher every system has
     out = _forward({"CXX": f"{launcher} {cxx}", "FTLIB_CACHE_DIR": str(tmp_path)})
-    assert out["backends"] == ["cpp", "cpp"] and not _build_warnings(out), out
+    assert out["backends"] == ["cpu", "cpu"] and not _build_warnings(out), out
 
 
 def test_cache_dir_that_is_a_file_warns_once_then_runs_the_pytorch_path(tmp_path):
@@ -168,7 +190,7 @@ def test_a_damaged_library_in_the_cache_is_rebuilt(tmp_path, damage):
     symbol at the first forward. Its checksum no longer matches, so the next process rebuilds it."""
     _compiler_or_skip()
     env = {"FTLIB_CACHE_DIR": str(tmp_path)}
-    assert _forward(env)["backends"] == ["cpp", "cpp"]
+    assert _forward(env)["backends"] == ["cpu", "cpu"]
     (sw,) = (tmp_path / "csrc").rglob("libftlib_swiglu.so")
     (rn,) = (tmp_path / "csrc").rglob("libftlib_rmsnorm.so")
     data = sw.read_bytes()
@@ -179,5 +201,5 @@ def test_a_damaged_library_in_the_cache_is_rebuilt(tmp_path, damage):
     else:
         shutil.copyfile(rn, sw)
     out = _forward(env)
-    assert out["backends"] == ["cpp", "cpp"] and not _build_warnings(out), out
+    assert out["backends"] == ["cpu", "cpu"] and not _build_warnings(out), out
     assert sw.read_bytes() != b"" and len(sw.read_bytes()) >= len(data) // 2 + 1

@@ -87,8 +87,7 @@ def _step_counts(layers, py_reads, monkeypatch, attn="triton"):
     from ftlib.models import LlamaConfig, LlamaForCausalLM
     from ftlib.optim import TrainOptimizer, make_adamw, param_groups
 
-    monkeypatch.setenv("FTLIB_ATTN_BACKEND", attn)
-    monkeypatch.setenv("FTLIB_CPU_ATTN_BACKEND", "aten")  # sdpa: the per-document loop CUDA falls back to
+    monkeypatch.setenv("FTLIB_ATTN_BACKEND", attn)  # sdpa: the per-document loop CUDA falls back to
     monkeypatch.setenv("FTLIB_LORA_BACKEND", "triton")
     monkeypatch.setattr(losses, "_vocab_major", lambda *a: False)  # the loss's block as on CUDA: (chunk, V)
     torch.manual_seed(0)

@@ -2,21 +2,23 @@
 
 Layers, bottom to top. A module imports only from its own layer or below, never up:
 
-    0  leaf helpers  ftlib._atomic ftlib._cbuild ftlib._dist ftlib._fields ftlib._jinja
-    1  kernels       ftlib.kernels        (attention, LoRA matmul, token augmentation; NF4/DoRA math)
-    2  models        ftlib.models         (the model is adapter-agnostic: apply_lora swaps its layers
+    0  leaf helpers  ftlib._atomic ftlib._backends ftlib._cbuild ftlib._dist ftlib._fields ftlib._jinja
+    1  cpu           ftlib.cpu            (the C++ CPU compute kernels and their loader; called only by
+                                           the op families of kernels, never by the model or adapters)
+    2  kernels       ftlib.kernels        (attention, LoRA matmul, token augmentation; NF4/DoRA math)
+    3  models        ftlib.models         (the model is adapter-agnostic: apply_lora swaps its layers
                                            from outside, so models never import lora)
-    3  lora          ftlib.lora           (adapters over any nn.Module; the kernels compute them)
-    4  data          ftlib.data           (text -> token batches; takes a tokenizer, builds no model)
-    5  augment       ftlib.augment        (acts on the token batches of data, via the kernels)
-    6  training      ftlib.optim ftlib.clip ftlib.sched ftlib.losses ftlib.offload
+    4  lora          ftlib.lora           (adapters over any nn.Module; the kernels compute them)
+    5  data          ftlib.data           (text -> token batches; takes a tokenizer, builds no model)
+    6  augment       ftlib.augment        (acts on the token batches of data, via the kernels)
+    7  training      ftlib.optim ftlib.clip ftlib.sched ftlib.losses ftlib.offload
                      ftlib.embed_noise ftlib.nan_trace ftlib.long_context
-    7  objectives    ftlib.preference ftlib.onpolicy ftlib.rl ftlib.evaluation ftlib.metrics
-    8  checkpoint    ftlib.checkpoint     (saves the state of everything below)
-    9  distributed   ftlib.distributed    (shards models, sharded checkpoints on checkpoint's format)
-   10  train         ftlib.train          (what a training script shares: step plan, resume of a whole
+    8  objectives    ftlib.preference ftlib.onpolicy ftlib.rl ftlib.evaluation ftlib.metrics
+    9  checkpoint    ftlib.checkpoint     (saves the state of everything below)
+   10  distributed   ftlib.distributed    (shards models, sharded checkpoints on checkpoint's format)
+   11  train         ftlib.train          (what a training script shares: step plan, resume of a whole
                                            train state, run manifest, merged export)
-   11  cli           ftlib.cli ftlib.__main__  (the installed ``ftlib`` command: the full jobs)
+   12  cli           ftlib.cli ftlib.__main__  (the installed ``ftlib`` command: the full jobs)
        top           ftlib                (the package ``__init__``: imports nothing)
 
 Checked on every module of ``ftlib/``, imports inside functions included (they run later, but an
@@ -47,7 +49,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaf helpers", ("ftlib._atomic", "ftlib._cbuild", "ftlib._dist", "ftlib._fields", "ftlib._jinja")),
+    ("leaf helpers", ("ftlib._atomic", "ftlib._backends", "ftlib._cbuild", "ftlib._dist", "ftlib._fields",
+                      "ftlib._jinja")),
+    ("cpu", ("ftlib.cpu",)),
     ("kernels", ("ftlib.kernels",)),
     ("models", ("ftlib.models",)),
     ("lora", ("ftlib.lora",)),

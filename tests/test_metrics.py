@@ -38,8 +38,8 @@ def _measured(model, ids, batched_linear=False):
     product into a 3-D base output with ``baddbmm_``; use it where attention runs SDPA's kernels,
     which torch counts under their own names, so no attention ``bmm`` is mixed in)."""
     fc = FlopCounterMode(display=False)
-    # torch's counter has no formula for oneDNN's product (ftlib.kernels.linear_cpu, frozen fp32 on CPU)
-    with fc, mock.patch.dict(os.environ, {"FTLIB_CPU_LINEAR_BACKEND": "torch"}):
+    # torch's counter has no formula for oneDNN's product (ftlib.kernels.linear, frozen fp32 on CPU)
+    with fc, mock.patch.dict(os.environ, {"FTLIB_LINEAR_BACKEND": "torch"}):
         logits = model(ids)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
     counts = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}

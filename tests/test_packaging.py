@@ -19,6 +19,21 @@ def test_every_subpackage_and_csrc_ship_in_the_wheel():
     assert (ROOT / "csrc" / "bfd_pack.cpp").is_file()
 
 
+def test_the_cpu_wings_sources_ship_in_the_wheel():
+    """Every C++ file of ``ftlib/cpu/csrc`` matches the package data of ``ftlib.cpu``, and every kernel the
+    loader declares has its source there (a wheel without them would run the PyTorch path only)."""
+    tomllib = pytest.importorskip("tomllib")
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["ftlib.cpu"]
+    pkg = ROOT / "ftlib" / "cpu"
+    shipped = {p for g in globs for p in pkg.glob(g)}
+    on_disk = {p for p in (pkg / "csrc").iterdir() if p.suffix in (".cpp", ".h")}
+    assert on_disk and on_disk <= shipped
+    from ftlib.cpu._library import SIGNATURES, source
+
+    assert {Path(source(name)) for name in SIGNATURES} <= on_disk
+    assert not list((ROOT / "csrc").glob("*.h")), "compute kernels belong in ftlib/cpu/csrc, csrc/ is the data path's"
+
+
 def test_import_ftlib_pulls_in_no_optional_dependency():
     code = ("import sys, ftlib, ftlib.models, ftlib.data, ftlib.lora, ftlib.optim, ftlib.clip, ftlib.sched, "
             "ftlib.losses, ftlib.kernels, ftlib.preference, ftlib.data.pairs, ftlib.data.pair_batches; "

@@ -6,13 +6,16 @@
    CUDA, the dtype is float16/bfloat16 and the head dim is <= 256;
 2. the Triton kernel (``attention_triton``) on CUDA otherwise (float16/bfloat16/float32, head
    dim <= 256);
-3. PyTorch's fused SDPA kernels (``attention_sdpa``) elsewhere: CPU (every dtype), and on CUDA
-   float64 or head dims > 256.
+3. on CPU, the CPU wing's flash kernel (``attention_cpu``, ``ftlib.cpu.attention``) for packed
+   fp32 calls (varlen layout, head dim a multiple of 8, no padding mask / window / soft-cap) once
+   its C++ builds;
+4. PyTorch's fused SDPA kernels (``attention_sdpa``) elsewhere: CPU (every other call), and on
+   CUDA float64 or head dims > 256.
 
-``FTLIB_ATTN_BACKEND=flash|triton|sdpa|torch`` forces one (``torch`` is the reference
-``attention_ref``, which materialises every score: the test oracle, slow); forcing a backend
-that is not installed, cannot run on q's device, or does not support the call's dtype / head
-dim raises instead of silently falling back. The Triton backend runs on CPU tensors only under
+``FTLIB_ATTN_BACKEND=flash|triton|sdpa|cpu|torch`` forces one (``torch`` is the reference
+``attention_ref``, which materialises every score: the test oracle, slow; ``sdpa`` on CPU is ATen's
+per-document flash kernels); forcing a backend that is not installed, cannot run on q's device, or
+does not support the call's dtype / head dim / layout raises instead of silently falling back. The Triton backend runs on CPU tensors only under
 ``TRITON_INTERPRET=1`` (the test setup).
 
 Calls with a ``key_padding_mask`` (padded batches with holes, KV-cache decoding) go to SDPA
@@ -33,12 +36,16 @@ import os
 
 import torch
 
+from ftlib._backends import BACKENDS, backend_choice, cannot_run
+
+from .attention_cpu import attention_cpu, attention_cpu_unsupported
 from .attention_ref import attention_ref, check_cu_seqlens_dtype, check_window_softcap
 from .attention_sdpa import attention_sdpa
 
 __all__ = ["attention", "attention_backend"]
 
-_BACKENDS = ("auto", "flash", "triton", "sdpa", "torch")
+_VAR = "FTLIB_ATTN_BACKEND"
+_BACKENDS = BACKENDS[_VAR]
 _MAX_HEAD_DIM = 256
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -69,10 +76,12 @@ def _unsupported(backend: str, is_cuda: bool, dtype: torch.dtype, head_dim: int,
 
 
 def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, head_dim: int, masked: bool,
-            have_flash: bool, have_triton: bool, interpret: bool) -> str:
-    """The backend for one call; pure, so the whole decision table is testable without a GPU."""
+            have_flash: bool, have_triton: bool, interpret: bool,
+            cpu_why: str | None = "the CPU kernel is not considered here") -> str:
+    """The backend for one call; pure, so the whole decision table is testable without a GPU.
+    ``cpu_why``: why the CPU wing's kernel cannot run the call (None when it can)."""
     if want not in _BACKENDS:
-        raise ValueError(f"FTLIB_ATTN_BACKEND={want!r}: expected one of {_BACKENDS}")
+        raise ValueError(f"{_VAR}={want!r}: expected one of {'|'.join(_BACKENDS)}")
     if want == "flash" and not have_flash:
         raise RuntimeError("FTLIB_ATTN_BACKEND=flash but flash_attn is not installed (pip install flash-attn)")
     if want == "triton" and not have_triton:
@@ -83,13 +92,17 @@ def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, head_dim: int, mask
         return want
     if masked:
         return "sdpa"
+    if want == "cpu":
+        if cpu_why is not None:
+            raise cannot_run(_VAR, "cpu", cpu_why)
+        return "cpu"
     if want != "auto":
         why = _unsupported(want, is_cuda, dtype, head_dim, interpret)
         if why is not None:
             raise RuntimeError(f"FTLIB_ATTN_BACKEND={want} cannot run this call: {why}")
         return want
     if not is_cuda:
-        return "sdpa"
+        return "cpu" if cpu_why is None else "sdpa"
     if have_flash and _unsupported("flash", is_cuda, dtype, head_dim, interpret) is None:
         return "flash"
     if have_triton and _unsupported("triton", is_cuda, dtype, head_dim, interpret) is None:
@@ -97,12 +110,20 @@ def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, head_dim: int, mask
     return "sdpa"
 
 
-def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> str:
-    """Name of the backend (``flash``, ``triton``, ``sdpa`` or ``torch``) ``attention`` uses for this call."""
+def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = None, k: torch.Tensor | None = None,
+                      v: torch.Tensor | None = None, *, sliding_window: int | None = None,
+                      softcap: float | None = None) -> str:
+    """Name of the backend (``flash``, ``triton``, ``sdpa``, ``cpu`` or ``torch``) ``attention`` uses for
+    this call (k and v default to q's shape: pass them for grouped-query heads)."""
+    want = backend_choice(_VAR)
+    cpu_why = None if q.is_cuda and want == "auto" else attention_cpu_unsupported(
+        q, q if k is None else k, q if v is None else v, key_padding_mask=key_padding_mask,
+        sliding_window=sliding_window, softcap=softcap)
     return _choose(
-        os.environ.get("FTLIB_ATTN_BACKEND", "auto").strip().lower(),
-        is_cuda=q.is_cuda, dtype=q.dtype, head_dim=q.shape[-1], masked=key_padding_mask is not None,
-        have_flash=_installed("flash_attn"), have_triton=_installed("triton"), interpret=_interpret(),
+        want, is_cuda=q.is_cuda, dtype=q.dtype, head_dim=q.shape[-1], masked=key_padding_mask is not None,
+        have_flash=(q.is_cuda or want == "flash") and _installed("flash_attn"),
+        have_triton=(q.is_cuda or want == "triton") and _installed("triton"), interpret=_interpret(),
+        cpu_why=cpu_why,
     )
 
 
@@ -140,8 +161,11 @@ def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax
     which backend runs.
     """
     check_window_softcap(sliding_window, softcap)
-    backend = attention_backend(q, key_padding_mask)
+    backend = attention_backend(q, key_padding_mask, k, v, sliding_window=sliding_window, softcap=softcap)
     extras = dict(sliding_window=sliding_window, softcap=softcap)
+    if backend == "cpu":
+        return attention_cpu(q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                             softmax_scale=softmax_scale)
     if backend == "flash":
         return _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale, **extras)
     if backend == "triton":

@@ -4,10 +4,8 @@ Same signature and semantics as ``attention_ref`` (the float64 test oracle; see 
 for the math, the layouts and bottom-right causal alignment), computed by fused kernels
 instead of materialised score matrices:
 
-- varlen ``[N, H, D]`` with ``cu_seqlens``: on CPU with fp32 tensors and a head dim that is a
-  multiple of 8, one call of ``attention_cpu``'s flash kernels (``csrc/flash_attn.cpp``) covers every
-  document, forward and backward (1.5-2x ATen's kernels on a packed row; ``FTLIB_CPU_ATTN_BACKEND=aten``
-  keeps ATen's). Otherwise one SDPA call per document: on CPU the forward and
+- varlen ``[N, H, D]`` with ``cu_seqlens``: one SDPA call per document (packed fp32 calls on CPU
+  go to the CPU wing's kernel instead, ``attention_cpu``, unless ``FTLIB_ATTN_BACKEND=sdpa``): on CPU the forward and
   backward are ATen's CPU flash-attention kernels (``_scaled_dot_product_flash_attention_for_cpu``
   and its ``_backward``): tiles of the scores live in cache only, backward keeps just the output
   and the per-row log-sum-exp (Dao 2023, FlashAttention-2), and grouped-query heads are read in
@@ -43,7 +41,6 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .attention_cpu import attention_cpu_backend, flash_attn_cpu_backward, flash_attn_cpu_forward
 from .attention_ref import (
     attention_ref,
     check_attention_inputs,
@@ -107,8 +104,6 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """o (N, Hq, D), lse (Hq, N) in fp32 (fp64 for fp64) — lse is zero on the recompute path."""
-    if q.device.type == "cpu" and attention_cpu_backend(q, k, v) == "cpp":
-        return flash_attn_cpu_forward(q, k, v, cu_seqlens, causal, scale)
     o = torch.empty_like(q)  # every row belongs to one segment: all of o is written
     lse = torch.zeros(q.shape[1], q.shape[0], dtype=_acc_dtype(q.dtype), device=q.device)
     flash = q.device.type == "cpu" and _cpu_flash_available()
@@ -133,8 +128,6 @@ def _(q, k, v, cu_seqlens, causal, scale):
 def _varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                 lse: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if q.device.type == "cpu" and attention_cpu_backend(q, k, v) == "cpp":
-        return flash_attn_cpu_backward(do, q, k, v, o, lse, cu_seqlens, causal, scale)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     flash = q.device.type == "cpu" and _cpu_flash_available()
     for s, e in _segments(cu_seqlens, q.shape[0]):

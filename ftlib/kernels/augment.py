@@ -17,20 +17,20 @@ import os
 
 import torch
 
+from ftlib._backends import BACKENDS, backend_choice
+
 from .augment_ref import AugmentParams, augment_tokens_ref
 
 __all__ = ["augment_backend", "augment_tokens"]
 
-_BACKENDS = ("auto", "triton", "torch")
+_VAR = "FTLIB_AUGMENT_BACKEND"
+_BACKENDS = BACKENDS[_VAR]
 
 
 def _choose(want: str, *, is_cuda: bool, have_triton: bool, interpret: bool) -> str:
     """The backend for one call; pure, so the whole decision table is testable without a GPU."""
-    if want == "flash":
-        raise ValueError("FTLIB_AUGMENT_BACKEND=flash: flash-attn has no augmentation kernel; "
-                         f"expected one of {_BACKENDS}")
     if want not in _BACKENDS:
-        raise ValueError(f"FTLIB_AUGMENT_BACKEND={want!r}: expected one of {_BACKENDS}")
+        raise ValueError(f"{_VAR}={want!r}: expected one of {'|'.join(_BACKENDS)}")
     if want == "triton":
         if not have_triton:
             raise RuntimeError("FTLIB_AUGMENT_BACKEND=triton but triton is not installed (pip install triton)")
@@ -46,7 +46,7 @@ def _choose(want: str, *, is_cuda: bool, have_triton: bool, interpret: bool) -> 
 def augment_backend(input_ids: torch.Tensor) -> str:
     """Name of the backend (``triton`` or ``torch``) ``augment_tokens`` uses for this batch."""
     return _choose(
-        os.environ.get("FTLIB_AUGMENT_BACKEND", "auto").strip().lower(),
+        backend_choice(_VAR),
         is_cuda=input_ids.is_cuda, have_triton=importlib.util.find_spec("triton") is not None,
         interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
     )

@@ -8,15 +8,21 @@ is frozen). The math, the dropout stream and the PyTorch reference are in ``lora
 Triton kernels in ``lora_triton.py`` / ``_lora_kernels.py`` (bytes, FLOPs and where the time goes
 are in the latter's docstring). ``LoRALinear.forward`` calls this op on CUDA.
 
-Backend choice (``FTLIB_LORA_BACKEND=auto|triton|torch``, like ``FTLIB_ATTN_BACKEND``):
+Backend choice (``FTLIB_LORA_BACKEND=auto|triton|cpu|torch``, ``ftlib._backends``), read by
+``lora_backend`` for the whole LoRA layer (``LoRALinear`` asks it once per call):
 
 - ``auto`` (default): the Triton kernels when Triton is installed, x is on CUDA, the compute dtype
-  is float16 / bfloat16 and the rank is <= 256; the PyTorch reference otherwise (CPU, float32,
-  where cuBLAS's exact fp32 GEMM is the stronger choice, float64, larger ranks).
+  is float16 / bfloat16 and the rank is <= 256; the CPU wing's layer for fp32 on CPU outside
+  ``torch.compile`` (``ftlib.lora``'s CPU path: the frozen base on the linear family's oneDNN GEMM,
+  the dropout mask and masked products in ``ftlib.cpu.lora_dropout`` where its C++ builds and the
+  rank is a multiple of 8 up to 64, PyTorch ops for them otherwise); the PyTorch reference otherwise
+  (CUDA float32, where cuBLAS's exact fp32 GEMM is the stronger choice, float64, larger ranks).
 - ``triton`` forces the kernels: an error (not a fallback) when Triton is missing, x is not on
   CUDA (the CPU interpreter, TRITON_INTERPRET=1, counts for testing), the dtype is not
   float16 / bfloat16 / float32 or the rank exceeds 256.
-- ``torch`` forces the reference.
+- ``cpu`` forces the CPU wing's layer: an error when x is not fp32 on CPU, the C++ kernels did not
+  build (the compiler's message) or the rank is not a multiple of 8 up to 64.
+- ``torch`` forces the reference (and the LoRA layer's PyTorch path).
 """
 
 from __future__ import annotations
@@ -26,23 +32,33 @@ import os
 
 import torch
 
+from ftlib._backends import BACKENDS, backend_choice, cannot_run
+from ftlib.cpu import lora_cpu_unsupported
+
 from .lora_ref import lora_matmul_ref
 
-__all__ = ["lora_backend", "lora_matmul"]
+__all__ = ["lora_backend", "lora_cpu_kernels", "lora_matmul"]
 
-_BACKENDS = ("auto", "triton", "torch")
+_VAR = "FTLIB_LORA_BACKEND"
+_BACKENDS = BACKENDS[_VAR]
 _AUTO_DTYPES = (torch.float16, torch.bfloat16)
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_RANK = 256  # lora_triton.MAX_RANK, repeated so this module does not import Triton
 
 
 def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, rank: int, have_triton: bool,
-            interpret: bool) -> str:
-    """The backend for one call; pure, so the whole decision table is testable without a GPU."""
+            interpret: bool, cpu_why: str | None = "the CPU kernels are not considered here",
+            compiling: bool = False, is_cpu: bool = False) -> str:
+    """The backend for one call; pure, so the whole decision table is testable without a GPU.
+    ``cpu_why``: why the CPU wing's layer cannot run the call (None when it can)."""
     if want not in _BACKENDS:
-        raise ValueError(f"FTLIB_LORA_BACKEND={want!r}: expected one of {_BACKENDS}")
+        raise ValueError(f"{_VAR}={want!r}: expected one of {'|'.join(_BACKENDS)}")
     if want == "torch":
         return "torch"
+    if want == "cpu":
+        if cpu_why is not None:
+            raise cannot_run(_VAR, "cpu", cpu_why)
+        return "cpu"
     if want == "triton":
         if not have_triton:
             raise RuntimeError("FTLIB_LORA_BACKEND=triton but triton is not installed (pip install triton)")
@@ -57,16 +73,29 @@ def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, rank: int, have_tri
         return "triton"
     if is_cuda and have_triton and dtype in _AUTO_DTYPES and rank <= _MAX_RANK:
         return "triton"
+    if is_cpu and dtype == torch.float32 and not compiling:
+        return "cpu"  # auto: the C++ products where cpu_why allows, PyTorch ops for them otherwise
     return "torch"
 
 
+def _cpu_why(x: torch.Tensor, dtype: torch.dtype, rank: int) -> str | None:
+    if x.device.type != "cpu" or not (x.dtype == dtype == torch.float32):
+        return f"the CPU LoRA layer takes fp32 CPU inputs, got {dtype} on {x.device}"
+    return lora_cpu_unsupported(rank)
+
+
 def lora_backend(x: torch.Tensor, dtype: torch.dtype | None = None, rank: int = 16) -> str:
-    """``triton`` or ``torch``: the backend ``lora_matmul`` uses for input ``x`` (compute dtype ``dtype``)."""
+    """``triton``, ``cpu`` or ``torch``: the backend of the LoRA layer for input ``x`` (compute dtype
+    ``dtype``); ``lora_matmul`` itself runs the Triton kernels or the reference."""
+    want = backend_choice(_VAR)
+    dtype = dtype or x.dtype
     return _choose(
-        os.environ.get("FTLIB_LORA_BACKEND", "auto").strip().lower(),
-        is_cuda=x.is_cuda, dtype=dtype or x.dtype, rank=rank,
-        have_triton=importlib.util.find_spec("triton") is not None,
+        want, is_cuda=x.is_cuda, dtype=dtype, rank=rank,
+        # the spec search only where Triton can be chosen (it walks sys.path: ~0.1 ms a LoRA call on CPU)
+        have_triton=(x.is_cuda or want == "triton") and importlib.util.find_spec("triton") is not None,
         interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
+        cpu_why=_cpu_why(x, dtype, rank) if want == "cpu" else None, compiling=torch.compiler.is_compiling(),
+        is_cpu=x.device.type == "cpu",
     )
 
 
@@ -111,3 +140,10 @@ def lora_matmul(
 
         return lora_matmul_triton(x, weight, lora_A, lora_B, scaling, **kwargs)
     return lora_matmul_ref(x, weight, lora_A, lora_B, scaling, **kwargs)
+
+
+def lora_cpu_kernels(x: torch.Tensor, dtype: torch.dtype | None = None, rank: int | None = None) -> bool:
+    """Whether the LoRA layer's C++ kernels (``ftlib.cpu.lora_dropout``: the dropout mask, the masked
+    products, the one-node layer) run for input ``x``: the backend is ``cpu`` and they take ``rank``
+    (any rank for the mask alone)."""
+    return lora_backend(x, dtype, 8 if rank is None else rank) == "cpu" and lora_cpu_unsupported(rank) is None

@@ -1,10 +1,17 @@
-"""``LoRALinear`` through the fused LoRA matmul (``ftlib.kernels.lora_matmul``) when its backend is Triton.
+"""``LoRALinear``'s op dispatch: the layer through the backend ``ftlib.kernels.lora_backend`` picks.
 
-``fused_forward(layer, x)`` returns the layer's output computed by the fused op, or None when the
-backend is the PyTorch one (CPU, float32/float64, ``FTLIB_LORA_BACKEND=torch``), in which case
-the layer runs its own PyTorch path. Both give the same outputs and gradients up to rounding;
-the dropout masks differ (the layer's own path uses ``nn.Dropout``, the fused op a Philox stream
-keyed by :func:`draw_dropout_rng`).
+``dispatch_forward(layer, x)`` returns the layer's output computed by a backend of the LoRA family,
+or None, in which case the layer runs its own PyTorch path (``FTLIB_LORA_BACKEND=torch``, CUDA
+float32/float64, a layer a backend does not take):
+
+- ``triton``: the fused LoRA matmul (``ftlib.kernels.lora_matmul``), dropout from a Philox stream
+  keyed by :func:`draw_dropout_rng`;
+- ``cpu`` (fp32 on CPU): with input dropout in training and a dense frozen ``nn.Linear`` base, the
+  whole layer as one autograd node on the CPU wing's kernels (``ftlib.lora.dropout.masked_lora_linear``);
+  otherwise, for a dense frozen base, the base product on the linear family's oneDNN GEMM
+  (``ftlib.kernels.linear``) and the adapter added by the layer's own ``add_adapter``.
+
+All give the same outputs and gradients up to rounding.
 
 Compute dtype: the autocast dtype under autocast, else x's dtype (as the base layer computes).
 DoRA's row norm comes from the layer's cached ``||W||^2`` and one ``W A^T`` product; for an NF4
@@ -16,7 +23,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["draw_dropout_rng", "fused_forward"]
+from ftlib.kernels.linear import linear
+from ftlib.kernels.lora import lora_backend, lora_matmul
+
+from .dropout import masked_lora_linear
+
+__all__ = ["dispatch_forward", "draw_dropout_rng"]
 
 _SEED_MASK = 2**62 - 1
 
@@ -47,13 +59,15 @@ def _row_norm(layer, dtype: torch.dtype) -> torch.Tensor:
                              layer.lora_B.weight, layer.scaling, weight_rows=layer._base_rows)
 
 
-def fused_forward(layer, x: torch.Tensor) -> torch.Tensor | None:
-    """``layer(x)`` through the fused op, or None when the LoRA backend is not Triton."""
-    from ftlib.kernels.lora import lora_backend, lora_matmul
-
+def dispatch_forward(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """``layer(x)`` (an unmerged, enabled ``LoRALinear``) through its LoRA backend, or None for the
+    layer's own PyTorch path."""
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    if lora_backend(x, dtype=dtype, rank=layer.r) != "triton":
+    backend = lora_backend(x, dtype=dtype, rank=layer.r)
+    if backend == "cpu":
+        return _cpu_forward(layer, x)
+    if backend != "triton":
         return None
     drop = layer.lora_dropout
     if isinstance(drop, nn.Identity) or not layer.training:
@@ -73,3 +87,18 @@ def fused_forward(layer, x: torch.Tensor) -> torch.Tensor | None:
             layer.scaling, bias=base.bias, dropout_p=p, seed=seed, offset=offset, magnitude=magnitude,
             weight_norm=norm,
         )
+
+
+def _cpu_forward(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """The ``cpu`` backend: the one-node layer (LoRA with input dropout in training), else the frozen
+    dense base on the linear family plus ``add_adapter``; None for other bases (NF4, hooks, a subclass)."""
+    base = layer.base_layer
+    if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks:
+        return None
+    drop = layer.lora_dropout
+    if not layer.use_dora and type(drop) is nn.Dropout and drop.training and drop.p > 0.0:
+        y = masked_lora_linear(x, base.weight, base.bias, layer.lora_A.weight, layer.lora_B.weight, drop.p,
+                               layer.scaling)
+        if y is not None:
+            return y
+    return layer.add_adapter(x, linear(x, base.weight, base.bias))  # (..., out) with the bias, then the adapter

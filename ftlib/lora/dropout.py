@@ -18,7 +18,7 @@ What the textbook form (``nn.Dropout`` then ``nn.Linear``) costs, and what is do
    (``bernoulli_`` on 2048 x 1408 fp32: 18-26 ms of CPU time on one core, measured). The mask here
    is the counter-based Philox4x32-10 stream of the fused LoRA kernels
    (``ftlib.kernels.lora_ref.uniform16_ref``: 16 bits per element, counter = (column // 8, row,
-   offset), offset 0), computed in ``csrc/lora_dropout.cpp`` eight Philox calls per AVX2 register
+   offset), offset 0), computed by the CPU wing (``ftlib.cpu.lora_dropout``) eight Philox calls per AVX2 register
    and split over torch's threads (2048 x 1408: 1.2 ms on one core, 0.57 ms on two, against 1.4 ms
    for numpy's PCG64 ``random_raw`` on one), the same stream in PyTorch ops where the library
    cannot be built. The seed is one draw of torch's default generator per mask, so
@@ -27,17 +27,19 @@ What the textbook form (``nn.Dropout`` then ``nn.Linear``) costs, and what is do
 
 3. The products on CPU. ``x * m`` widened to fp32 and fed to a skinny GEMM costs ~5 passes over
    an [N, in] tensor per product. For fp32 on an AVX2 + FMA CPU with a rank that is a multiple of
-   8 (up to 64), ``csrc/lora_dropout.cpp`` computes ``(x * m) A^T``, ``(du A) * m`` and
+   8 (up to 64), the CPU wing's kernels compute ``(x * m) A^T``, ``(du A) * m`` and
    ``du^T (x * m)`` reading the 1-byte mask in place, r-wide accumulators in registers (2,048 x
    1,408, r = 16, one core: forward 2.5-2.9 ms against 8.4-22 ms for the PyTorch ops; ``bench_train.py``'s
    step 5.5 % faster on one thread, median of 10 alternating steps). ``FTLIB_LORA_BACKEND=torch``
-   keeps the PyTorch ops.
+   keeps the PyTorch ops (``ftlib.kernels.lora_cpu_kernels`` decides).
 
 4. The layer as one node on CPU. With those kernels, a frozen dense base and autocast off,
    :func:`masked_lora_linear` computes a whole LoRA layer's output ``x W^T + b + c (drop(x) A^T)
-   B^T`` as one autograd node, whose backward writes dx = dy W and adds the adapter's masked part
-   into it in place: autograd would sum the base's and the adapter's input gradients in a separate
-   pass over [N, in] (``bench_train.py``'s step: 1366 -> 1338 ms, median of 16 alternating steps).
+   B^T`` as one autograd node (``ftlib.cpu.MaskedLoRALinear``), whose backward writes dx = dy W and
+   adds the adapter's masked part into it in place: autograd would sum the base's and the adapter's
+   input gradients in a separate pass over [N, in] (``bench_train.py``'s step: 1366 -> 1338 ms,
+   median of 16 alternating steps). ``LoRALinear`` takes it through its op dispatch
+   (``ftlib.lora._fused``).
 
 Exactness on CPU: an element is kept when its 16 random bits are >= round(p * 2^16), so the drop
 probability is p rounded to a multiple of 2^-16 (within 7.7e-6 of p; exact when p * 2^16 is an
@@ -46,16 +48,12 @@ integer) and the scale is 1 / (1 - that probability), so E[drop(x)] = x exactly.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 
-from ftlib._cbuild import kernel_threads, load_library
-from ftlib._cbuild import tensor_ptr as _ptr
-from ftlib.kernels.linear_cpu import linear_cpu, linear_cpu_input_grad
+from ftlib.cpu import MaskedLoRALinear, mask_cpu, masked_da_cpu, masked_dx_cpu, masked_xa_cpu
+from ftlib.kernels.linear import linear_backend
+from ftlib.kernels.lora import lora_cpu_kernels
 from ftlib.kernels.lora_ref import rng_words, uniform16_ref
 
 __all__ = ["apply_mask", "dropout_mask", "kept_fraction", "masked_linear", "masked_lora_linear"]
@@ -73,21 +71,17 @@ def kept_fraction(p: float, device_type: str = "cpu") -> float:
 
 
 @torch.library.custom_op("ftlib::cpu_dropout_mask", mutates_args=())
-def _cpu_mask(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+def _cpu_mask(x: torch.Tensor, p: float, seed: torch.Tensor, cpp: bool) -> torch.Tensor:
     # an opaque op, so torch.compile neither traces the generator nor breaks the graph on the seed
     cols = x.shape[-1] if x.dim() else 1
     rows = x.numel() // max(1, cols)
-    key0, key1, c2, c3 = rng_words(int(seed), 0)
-    lib = _library()
-    if lib is None or not lib.ft_lora_supported(8) or x.numel() == 0:  # the same stream in torch ops (slower)
+    if not cpp or x.numel() == 0:  # the same stream in torch ops (slower)
         return (uniform16_ref(int(seed), 0, rows, cols) >= _threshold(p)).view(x.shape)
-    out = torch.empty(x.shape, dtype=torch.bool)
-    lib.ft_lora_dropout_mask(_ptr(out), rows, cols, key0, key1, c2, c3, _threshold(p), _threads(x.numel()))
-    return out
+    return mask_cpu(rows, cols, rng_words(int(seed), 0), _threshold(p)).view(x.shape)
 
 
 @_cpu_mask.register_fake
-def _(x, p, seed):
+def _(x, p, seed, cpp):
     return torch.empty(x.shape, dtype=torch.bool, device=x.device)
 
 
@@ -96,7 +90,8 @@ def dropout_mask(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
     if x.device.type == "cpu":
         seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # one draw of torch's generator per mask
         # x.detach(): the op reads only x's shape, and an input that requires grad would give it an autograd node
-        return _cpu_mask(x.detach(), float(p), seed), 1.0 / kept_fraction(p, "cpu")
+        cpp = lora_cpu_kernels(x, torch.float32)  # the mask is the same stream whatever x's dtype
+        return _cpu_mask(x.detach(), float(p), seed, cpp), 1.0 / kept_fraction(p, "cpu")
     return torch.rand(x.shape, device=x.device) >= p, 1.0 / kept_fraction(p, x.device.type)
 
 
@@ -110,96 +105,11 @@ def apply_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x * mask.to(x.dtype)
 
 
-def _threads(n: int) -> int:
-    """Threads for a call over n elements (``ftlib._cbuild.kernel_threads``)."""
-    return kernel_threads(bool(_library().ft_lora_openmp()), n)
-
-
-@functools.cache
-def _library():
-    """The built ``csrc/lora_dropout.cpp`` with its signatures declared, or None."""
-    lib = load_library("lora_dropout.cpp", openmp=True)
-    if lib is not None:
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.ft_lora_openmp.argtypes = []
-        lib.ft_lora_supported.argtypes = [i32]
-        lib.ft_lora_dropout_mask.argtypes = [p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
-                                             ctypes.c_uint32, ctypes.c_uint32, i32]
-        lib.ft_lora_masked_xa.argtypes = [p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
-        lib.ft_lora_masked_dx.argtypes = [p, p, p, p, i64, i64, i32, i32, i32]
-        lib.ft_lora_masked_da.argtypes = [p, p, p, p, i64, i64, i32, i32]
-    return lib
-
-
 def _cpu_kernels(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the three products run in ``csrc/lora_dropout.cpp``: CPU, fp32 throughout, rank a
-    multiple of 8 up to 64, a compiler at hand and AVX2 + FMA, and ``FTLIB_LORA_BACKEND`` not
-    ``torch`` (which keeps every LoRA product in PyTorch ops), and not under ``torch.compile``;
-    otherwise the PyTorch ops do."""
-    if x.device.type != "cpu" or not (x.dtype == weight.dtype == dtype == torch.float32):
-        return False
-    if torch.compiler.is_compiling():  # under torch.compile, inductor fuses the PyTorch ops instead
-        return False
-    if os.environ.get("FTLIB_LORA_BACKEND", "auto").strip().lower() == "torch":
-        return False
-    lib = _library()
-    return lib is not None and bool(lib.ft_lora_supported(int(weight.shape[0])))
-
-
-@torch.library.custom_op("ftlib::cpu_masked_xa", mutates_args=())
-def _cpu_xa(x: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
-    """(x * m) A^T * scale: x (.., K), mask (.., K) bool, A (r, K) -> (.., r)."""
-    k, r = x.shape[-1], weight.shape[0]
-    x2, m2, at = x.reshape(-1, k).contiguous(), mask.reshape(-1, k).contiguous(), weight.t().contiguous()
-    u = x.new_empty(x2.shape[0], r)
-    _library().ft_lora_masked_xa(_ptr(x2), _ptr(m2), _ptr(at), _ptr(u), x2.shape[0], k, r, scale,
-                                 _threads(x2.numel()))
-    return u.view(*x.shape[:-1], r)
-
-
-@_cpu_xa.register_fake
-def _(x, mask, weight, scale):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-@torch.library.custom_op("ftlib::cpu_masked_dx", mutates_args=())
-def _cpu_dx(du: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(du A) * m: du (.., r), A (r, K), mask (.., K) -> (.., K)."""
-    k, r = weight.shape[1], weight.shape[0]
-    du2, a, m2 = du.reshape(-1, r).contiguous(), weight.contiguous(), mask.reshape(-1, k).contiguous()
-    dx = du.new_empty(du2.shape[0], k)
-    _library().ft_lora_masked_dx(_ptr(du2), _ptr(a), _ptr(m2), _ptr(dx), du2.shape[0], k, r, 0,
-                                 _threads(dx.numel()))
-    return dx.view(*mask.shape)
-
-
-@_cpu_dx.register_fake
-def _(du, weight, mask):
-    return du.new_empty(mask.shape)
-
-
-@torch.library.custom_op("ftlib::cpu_masked_dx_add_", mutates_args=("dx",))
-def _cpu_dx_add_(dx: torch.Tensor, du: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor) -> None:
-    """dx += (du A) * m in place: dx (N, K) contiguous fp32, du (N, r), A (r, K), mask (N, K)."""
-    k, r = weight.shape[1], weight.shape[0]
-    du2, a, m2 = du.reshape(-1, r).contiguous(), weight.contiguous(), mask.reshape(-1, k).contiguous()
-    _library().ft_lora_masked_dx(_ptr(du2), _ptr(a), _ptr(m2), _ptr(dx), du2.shape[0], k, r, 1,
-                                 _threads(dx.numel()))
-
-
-@torch.library.custom_op("ftlib::cpu_masked_da", mutates_args=())
-def _cpu_da(du: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """du^T (x * m): du (.., r), x and mask (.., K) -> (r, K)."""
-    k, r = x.shape[-1], du.shape[-1]
-    du2, x2, m2 = du.reshape(-1, r).contiguous(), x.reshape(-1, k).contiguous(), mask.reshape(-1, k).contiguous()
-    da = x.new_empty(r, k)
-    _library().ft_lora_masked_da(_ptr(du2), _ptr(x2), _ptr(m2), _ptr(da), x2.shape[0], k, r, _threads(x2.numel()))
-    return da
-
-
-@_cpu_da.register_fake
-def _(du, x, mask):
-    return x.new_empty(du.shape[-1], x.shape[-1])
+    """Whether the three products run on the CPU wing's kernels: the LoRA backend is ``cpu`` for this
+    input (fp32 on CPU, outside ``torch.compile`` under ``auto``), the weight is fp32 and its rank fits
+    (a multiple of 8 up to 64); otherwise the PyTorch ops do."""
+    return weight.dtype == torch.float32 and lora_cpu_kernels(x, dtype, int(weight.shape[0]))
 
 
 class _MaskedLinear(torch.autograd.Function):
@@ -209,7 +119,7 @@ class _MaskedLinear(torch.autograd.Function):
     def forward(ctx, x, mask, weight, scale, dtype):
         ctx.cpu = _cpu_kernels(x, weight, dtype)
         if ctx.cpu:
-            u = _cpu_xa(x, mask, weight, float(scale))
+            u = masked_xa_cpu(x, mask, weight, float(scale))
         else:
             with torch.autocast(device_type=x.device.type, enabled=False):
                 u = F.linear(apply_mask(x, mask).to(dtype), weight.to(dtype)) * scale
@@ -225,9 +135,9 @@ class _MaskedLinear(torch.autograd.Function):
         dx = dw = None
         if ctx.cpu:
             if ctx.needs_input_grad[0]:
-                dx = _cpu_dx(du, weight, mask)
+                dx = masked_dx_cpu(du, weight, mask)
             if ctx.needs_input_grad[2]:
-                dw = _cpu_da(du, x, mask)
+                dw = masked_da_cpu(du, x, mask)
             return dx, None, dw, None, None
         m = mask.to(dtype)  # widened once for both products
         if ctx.needs_input_grad[0]:
@@ -252,45 +162,10 @@ def masked_linear(x: torch.Tensor, weight: torch.Tensor, p: float, scale: float 
     return _MaskedLinear.apply(x, mask, weight, keep_scale * scale, dtype)
 
 
-class _MaskedLoRALinear(torch.autograd.Function):
-    """y = x W^T + b + (c (x * m) A^T) B^T on the CPU kernels as one autograd node.
-
-    Backward writes dx = dy W (one GEMM) and adds (c (dy B) A) * m into it in place, where autograd
-    would sum the base layer's and the adapter's input gradients in a separate [N, in] pass. Saves
-    x, the mask and the [N, r] product u = c (x * m) A^T (W, A, B are parameters).
-    """
-
-    @staticmethod
-    def forward(ctx, x, mask, weight, bias, lora_a, lora_b, scale):
-        y = linear_cpu(x, weight, bias)  # oneDNN's fp32 GEMM where torch has it (ftlib.kernels.linear_cpu)
-        u = _cpu_xa(x, mask, lora_a, float(scale))  # (.., r), scale folded in
-        y.view(-1, y.shape[-1]).addmm_(u.view(-1, u.shape[-1]), lora_b.t())
-        ctx.save_for_backward(x, mask, weight, lora_a, lora_b, u)
-        ctx.scale = scale
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, mask, weight, lora_a, lora_b, u = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = da = db = None
-        if ctx.needs_input_grad[5]:
-            db = dy2.t() @ u.reshape(-1, u.shape[-1])  # (out, r)
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[4]:
-            du = (dy2 @ lora_b) * ctx.scale  # (N, r): the gradient of (x * m) A^T
-            if ctx.needs_input_grad[4]:
-                da = _cpu_da(du, x, mask)
-            if ctx.needs_input_grad[0]:
-                dx = linear_cpu_input_grad(dy2, weight)  # (N, in), fresh and contiguous: the adapter's part is added in place
-                _cpu_dx_add_(dx, du, lora_a, mask)
-                dx = dx.view(x.shape)
-        return dx, None, None, None, da, db, None
-
-
 def masked_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                        lora_b: torch.Tensor, p: float, scale: float) -> torch.Tensor | None:
     """A LoRA layer's output ``x W^T + b + scale (drop(x) A^T) B^T`` with a fresh dropout mask, as one
-    autograd node on the CPU kernels (``csrc/lora_dropout.cpp``); None where they do not apply.
+    autograd node on the CPU wing's kernels (``ftlib.cpu.MaskedLoRALinear``); None where they do not apply.
 
     Applies to fp32 tensors on an AVX2 + FMA CPU (the conditions of the three products, see
     :func:`masked_linear`), a frozen base (W, and b if any, without gradient) and autocast off. Its
@@ -305,4 +180,5 @@ def masked_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if bias is not None and bias.dtype != torch.float32:
         return None
     mask, keep_scale = dropout_mask(x, p)
-    return _MaskedLoRALinear.apply(x.contiguous(), mask, weight, bias, lora_a, lora_b, keep_scale * scale)
+    onednn = linear_backend(x, weight) == "cpu"  # the base products: the linear family's choice
+    return MaskedLoRALinear.apply(x.contiguous(), mask, weight, bias, lora_a, lora_b, keep_scale * scale, onednn)

@@ -32,11 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ftlib.kernels.linear_cpu import linear_module
-
-from ._fused import fused_forward
+from ._fused import dispatch_forward
 from .dora import dora_row_norm, row_sq_norm
-from .dropout import apply_mask, dropout_mask, masked_linear, masked_lora_linear
+from .dropout import apply_mask, dropout_mask, masked_linear
 from .nf4 import NF4Linear
 
 __all__ = ["LoRALinear"]
@@ -143,27 +141,13 @@ class LoRALinear(nn.Module):
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.disabled or self.merged):
-            fused = fused_forward(self, x)  # the fused Triton op on CUDA (FTLIB_LORA_BACKEND), else None
-            if fused is not None:
-                return fused
-            fused = self._masked_cpu_forward(x)  # the CPU kernels' one-node layer, else None
-            if fused is not None:
-                return fused
-        result = linear_module(self.base_layer, x)  # (..., out), includes the bias; oneDNN for a frozen fp32 base
+            out = dispatch_forward(self, x)  # the LoRA backend (FTLIB_LORA_BACKEND): Triton, the CPU wing, else None
+            if out is not None:
+                return out
+        result = self.base_layer(x)  # (..., out), includes the bias
         if self.disabled or self.merged:
             return result
         return self.add_adapter(x, result)
-
-    def _masked_cpu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The whole layer as ``ftlib.lora.dropout.masked_lora_linear`` (LoRA with input dropout in
-        training, a dense frozen ``nn.Linear`` base, fp32 on CPU), or None for the general path."""
-        drop, base = self.lora_dropout, self.base_layer
-        if self.use_dora or type(drop) is not nn.Dropout or not drop.training or drop.p <= 0.0:
-            return None
-        if type(base) is not nn.Linear:
-            return None
-        return masked_lora_linear(x, base.weight, base.bias, self.lora_A.weight, self.lora_B.weight, drop.p,
-                                  self.scaling)
 
     def add_adapter(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         """``result`` plus this adapter's update for input x, where ``result = base_layer(x)``.

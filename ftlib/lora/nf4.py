@@ -18,12 +18,11 @@ saving it, so the only weight-sized memory is one transient copy in the compute 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ftlib._backends import backend_choice
 from ftlib.kernels.nf4_ref import (
     ABSMAX_BLOCKSIZE,
     NF4_CODE,
@@ -50,7 +49,6 @@ __all__ = [
     "quantize_nf4",
 ]
 
-_BACKENDS = ("auto", "bnb", "torch")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -65,9 +63,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def nf4_backend(device: torch.device) -> str:
     """``"bnb"`` or ``"torch"``: the dequantizer used for tensors on ``device``."""
-    want = os.environ.get("FTLIB_NF4_BACKEND", "auto").lower()
-    if want not in _BACKENDS:
-        raise ValueError(f"FTLIB_NF4_BACKEND={want!r}: expected one of {_BACKENDS}")
+    want = backend_choice("FTLIB_NF4_BACKEND")
     if want == "torch":
         return "torch"
     try:

@@ -50,8 +50,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..kernels import linear_module
-
 __all__ = ["KVCache", "StopStrings", "generate", "sample_next"]
 
 
@@ -327,7 +325,7 @@ def generate(
             step_ids, step_mask = torch.cat([input_ids, out[:, :n - 1]], dim=1), seen_mask
         hidden = model.model(step_ids, attention_mask=step_mask, kv_cache=kv_cache)  # (B, T_step, H)
         last = hidden[:, -1]  # (B, H): only the last position's logits are needed (soft-capped where configured)
-        logits = model.logits(last) if hasattr(model, "logits") else linear_module(model.lm_head, last)
+        logits = model.logits(last) if hasattr(model, "logits") else model.lm_head(last)
         nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                           generator=generator)
         out[:, n - 1] = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)

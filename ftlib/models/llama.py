@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels import attention, linear_module, rms_norm, swiglu
+from ..kernels import attention, rms_norm, swiglu
 from .config import LlamaConfig
 from .moe import MoEExperts, RouterStats, SparseMoeBlock, TopKRouter
 from .rope import apply_rope, rope_attention_scaling, rope_cos_sin, rope_inv_freq
@@ -241,12 +241,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
         b, t, _ = x.shape
-        # linear_module: a frozen fp32 projection on CPU runs oneDNN's GEMMs (ftlib.kernels.linear_cpu)
         if self.fused:
             nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = linear_module(self.qkv_proj, x).split((nq, nkv, nkv), dim=-1)
+            q, k, v = self.qkv_proj(x).split((nq, nkv, nkv), dim=-1)
         else:
-            q, k, v = linear_module(self.q_proj, x), linear_module(self.k_proj, x), linear_module(self.v_proj, x)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, t, self.num_heads, self.head_dim)  # (B, T, Hq, D)
@@ -258,7 +257,7 @@ class LlamaAttention(nn.Module):
         if tables is not None:
             q, k = apply_rope(q, *tables), apply_rope(k, *tables)
         o = plan.attend(self.layer_idx, q, k, v, self.scale, sliding_window=self.sliding_window, softcap=self.softcap)
-        return linear_module(self.o_proj, o.reshape(b, t, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -281,11 +280,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            g, u = linear_module(self.gate_up_proj, x).chunk(2, dim=-1)
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
-            g, u = linear_module(self.gate_proj, x), linear_module(self.up_proj, x)
+            g, u = self.gate_proj(x), self.up_proj(x)
         h = swiglu(g, u) if self.act == "silu" else F.gelu(g, approximate="tanh") * u
-        return linear_module(self.down_proj, h)
+        return self.down_proj(h)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -494,6 +493,6 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(hidden)``, soft-capped ``c * tanh(z / c)`` when ``final_logit_softcapping`` is set (Gemma-2)."""
-        z = linear_module(self.lm_head, hidden)
+        z = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         return z if cap is None else torch.tanh(z / cap) * cap

@@ -14,9 +14,9 @@ HAVE_FLASH = importlib.util.find_spec("flash_attn") is not None
 
 
 def _choice(want="auto", *, is_cuda=True, dtype=torch.bfloat16, head_dim=128, masked=False,
-            have_flash=True, have_triton=True, interpret=False):
+            have_flash=True, have_triton=True, interpret=False, cpu_why="no CPU kernel for this call"):
     return _choose(want, is_cuda=is_cuda, dtype=dtype, head_dim=head_dim, masked=masked,
-                   have_flash=have_flash, have_triton=have_triton, interpret=interpret)
+                   have_flash=have_flash, have_triton=have_triton, interpret=interpret, cpu_why=cpu_why)
 
 
 @pytest.mark.parametrize(
@@ -33,6 +33,8 @@ def _choice(want="auto", *, is_cuda=True, dtype=torch.bfloat16, head_dim=128, ma
         (dict(is_cuda=False), "sdpa"),
         (dict(is_cuda=False, dtype=torch.float64), "sdpa"),
         (dict(is_cuda=False, interpret=True), "sdpa"),  # auto never picks the interpreter
+        (dict(is_cuda=False, dtype=torch.float32, cpu_why=None), "cpu"),  # the CPU wing's kernel takes it
+        (dict(is_cuda=False, dtype=torch.float32, cpu_why=None, masked=True), "sdpa"),
     ],
 )
 def test_auto_decision_table(case, expected):
@@ -50,6 +52,10 @@ def test_forced_backends():
     # A forced, available kernel still sends key_padding_mask calls to SDPA.
     assert _choice("triton", masked=True) == "sdpa"
     assert _choice("flash", masked=True) == "sdpa"
+    assert _choice("cpu", is_cuda=False, dtype=torch.float32, cpu_why=None) == "cpu"
+    assert _choice("cpu", masked=True) == "sdpa"
+    with pytest.raises(RuntimeError, match="FTLIB_ATTN_BACKEND=cpu cannot run this call: the build failed"):
+        _choice("cpu", is_cuda=False, dtype=torch.float32, cpu_why="the build failed")
 
 
 @pytest.mark.parametrize(
@@ -148,19 +154,19 @@ def test_gpu_every_backend_agrees(monkeypatch, backend):
     assert (out.double() - want).abs().max() / want.abs().max() < 1.6e-2
 
 
-@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "auto"])
 @pytest.mark.parametrize("cu", [[0, 4.7, 10], [0.0, 4.0, 10.0], [False, True]])
 def test_non_integer_cu_seqlens_are_refused_naming_the_dtype(monkeypatch, backend, cu):
     """cu_seqlens are document boundaries: a float tensor ([0, 4.7, 10] was truncated to [0, 4, 10] and
     ran) or a bool one is refused with a ValueError naming the dtype, on every CPU backend and in the C++
     kernel's own entry."""
-    from ftlib.kernels.attention_cpu import attention_cpu_backend, flash_attn_cpu_forward
+    from ftlib.cpu import flash_attn_cpu_forward, flash_attn_cpu_unsupported
 
     monkeypatch.setenv("FTLIB_ATTN_BACKEND", backend)
     q = torch.randn(10, 2, 8)
     with pytest.raises(ValueError, match=r"cu_seqlens must be an integer tensor.*torch\.(float32|bool)"):
         attention(q, q, q, cu_seqlens=torch.tensor(cu))
-    if attention_cpu_backend(q, q, q) == "cpp":
+    if flash_attn_cpu_unsupported(q, q, q) is None:
         with pytest.raises(ValueError, match="cu_seqlens must be an integer tensor"):
             flash_attn_cpu_forward(q, q, q, torch.tensor(cu), True, 0.35)
 

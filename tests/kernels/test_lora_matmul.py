@@ -343,8 +343,10 @@ def test_empty_input():
 
 # ---- dispatch ----------------------------------------------------------------------------------
 
-def _choice(want="auto", *, is_cuda=True, dtype=torch.bfloat16, rank=16, have_triton=True, interpret=False):
-    return _choose(want, is_cuda=is_cuda, dtype=dtype, rank=rank, have_triton=have_triton, interpret=interpret)
+def _choice(want="auto", *, is_cuda=True, dtype=torch.bfloat16, rank=16, have_triton=True, interpret=False,
+            is_cpu=None, compiling=False):
+    return _choose(want, is_cuda=is_cuda, dtype=dtype, rank=rank, have_triton=have_triton, interpret=interpret,
+                   is_cpu=not is_cuda if is_cpu is None else is_cpu, compiling=compiling)
 
 
 @pytest.mark.parametrize(
@@ -356,8 +358,11 @@ def _choice(want="auto", *, is_cuda=True, dtype=torch.bfloat16, rank=16, have_tr
         (dict(dtype=torch.float64), "torch"),
         (dict(rank=257), "torch"),
         (dict(have_triton=False), "torch"),
-        (dict(is_cuda=False), "torch"),
+        (dict(is_cuda=False), "torch"),  # bf16 on CPU: the reference
         (dict(is_cuda=False, interpret=True), "torch"),  # auto never picks the interpreter
+        (dict(is_cuda=False, dtype=torch.float32), "cpu"),  # the CPU wing's LoRA layer
+        (dict(is_cuda=False, dtype=torch.float32, compiling=True), "torch"),  # inductor fuses the ops itself
+        (dict(is_cuda=False, is_cpu=False, dtype=torch.float32), "torch"),  # another device (meta, mps)
     ],
 )
 def test_auto_decision_table(case, expected):
@@ -390,8 +395,15 @@ def test_env_var(monkeypatch):
     assert lora_backend(x) == "torch"
     monkeypatch.delenv("FTLIB_LORA_BACKEND")
     if DEV == "cpu":
-        assert lora_backend(x) == "torch"
+        assert lora_backend(x) == "cpu"  # fp32 on CPU: the LoRA layer's CPU path; the op itself is the reference
+        assert lora_backend(x.double()) == "torch"
         assert torch.equal(lora_matmul(x, w, a, b, 1.0), lora_matmul_ref(x, w, a, b, 1.0))
+        monkeypatch.setenv("FTLIB_LORA_BACKEND", "cpu")
+        with pytest.raises(RuntimeError, match="FTLIB_LORA_BACKEND=cpu cannot run this call: .*fp32 CPU"):
+            lora_backend(x.double())
+        if lora_backend(x, rank=8) == "cpu":  # the C++ kernels built: a rank they do not take is named
+            with pytest.raises(RuntimeError, match="FTLIB_LORA_BACKEND=cpu cannot run this call: .*got 2"):
+                lora_backend(x, rank=2)
     monkeypatch.setenv("FTLIB_LORA_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert lora_backend(x) == "triton"

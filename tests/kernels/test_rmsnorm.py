@@ -10,18 +10,18 @@ from hypothesis import strategies as st
 
 from ftlib.kernels import rms_norm, rms_norm_backend
 
-_MOD = importlib.import_module("ftlib.kernels.rmsnorm")
+_MOD = importlib.import_module("ftlib.cpu.rmsnorm")
 
 
 def _cpp_available() -> bool:
-    return rms_norm_backend(torch.zeros(1, 4), torch.zeros(4)) == "cpp"
+    return rms_norm_backend(torch.zeros(1, 4), torch.zeros(4)) == "cpu"
 
 
 def _reference(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from([(1,), (3,), (2, 5)]), st.sampled_from([1, 7, 8, 9, 17, 33, 100]), st.booleans(),
        st.floats(0.01, 100.0), st.integers(0, 2**31 - 1))
@@ -29,14 +29,14 @@ def test_rms_norm_matches_float64_reference(monkeypatch, backend, lead, h, train
     """Invariant: y = w x r, dx = r (g - n mean(g n)) with g = w dy, n = x r, dw = sum dy n, r =
     1 / sqrt(mean(x^2) + eps), to fp32 rounding, for rows with a vector body and a scalar tail and
     inputs from small (eps matters) to large."""
-    if backend == "cpp" and not _cpp_available():
-        pytest.skip("csrc/rmsnorm.cpp needs a C++ compiler and an AVX2 + FMA CPU")
+    if backend == "cpu" and not _cpp_available():
+        pytest.skip("ftlib/cpu/csrc/rmsnorm.cpp needs a C++ compiler and an AVX2 + FMA CPU")
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(*lead, h, generator=gen) * spread).requires_grad_()
     w = (torch.randn(h, generator=gen)).requires_grad_(train_weight)
     dy = torch.randn(*lead, h, generator=gen)
     eps = 1e-6 if spread > 1 else 1e-2
-    monkeypatch.setenv("FTLIB_RMSNORM_BACKEND", "auto" if backend == "cpp" else "torch")
+    monkeypatch.setenv("FTLIB_RMSNORM_BACKEND", backend)
     assert rms_norm_backend(x, w) == backend
     y = rms_norm(x, w, eps)
     grads = torch.autograd.grad(y, (x, w) if train_weight else (x,), dy)
@@ -54,11 +54,11 @@ def test_rms_norm_matches_float64_reference(monkeypatch, backend, lead, h, train
         torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=2e-5 * float(scale) + 1e-12)
 
 
-@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_backward_keeps_x_and_the_row_scale(monkeypatch, backend):
-    if backend == "cpp" and not _cpp_available():
-        pytest.skip("csrc/rmsnorm.cpp needs a C++ compiler and an AVX2 + FMA CPU")
-    monkeypatch.setenv("FTLIB_RMSNORM_BACKEND", "auto" if backend == "cpp" else "torch")
+    if backend == "cpu" and not _cpp_available():
+        pytest.skip("ftlib/cpu/csrc/rmsnorm.cpp needs a C++ compiler and an AVX2 + FMA CPU")
+    monkeypatch.setenv("FTLIB_RMSNORM_BACKEND", backend)
     x = torch.randn(2, 7, 16, requires_grad=True)
     h = x * 2.0
     w = torch.ones(16)
@@ -70,13 +70,13 @@ def test_backward_keeps_x_and_the_row_scale(monkeypatch, backend):
 
 def test_cpp_thread_split_is_bit_equal(monkeypatch):
     if not _cpp_available():
-        pytest.skip("csrc/rmsnorm.cpp needs a C++ compiler and an AVX2 + FMA CPU")
+        pytest.skip("ftlib/cpu/csrc/rmsnorm.cpp needs a C++ compiler and an AVX2 + FMA CPU")
     x, w, dy = torch.randn(13, 40), torch.randn(40), torch.randn(13, 40)
-    y1, r1 = _MOD._cpu_fwd(x, w, 1e-6)
-    dx1 = _MOD._cpu_bwd(dy, x, w, r1)
-    monkeypatch.setattr(_MOD, "_threads", lambda n: 3)
-    y3, r3 = _MOD._cpu_fwd(x, w, 1e-6)
-    assert torch.equal(y1, y3) and torch.equal(r1, r3) and torch.equal(dx1, _MOD._cpu_bwd(dy, x, w, r3))
+    y1, r1 = _MOD.rms_norm_cpu_forward(x, w, 1e-6)
+    dx1 = _MOD.rms_norm_cpu_backward(dy, x, w, r1)
+    monkeypatch.setattr(_MOD, "threads", lambda name, n: 3)
+    y3, r3 = _MOD.rms_norm_cpu_forward(x, w, 1e-6)
+    assert torch.equal(y1, y3) and torch.equal(r1, r3) and torch.equal(dx1, _MOD.rms_norm_cpu_backward(dy, x, w, r3))
 
 
 def test_backend_choice(monkeypatch):

@@ -10,19 +10,19 @@ from hypothesis import strategies as st
 
 from ftlib.kernels import rope, rope_backend, rotate_half
 
-_MOD = importlib.import_module("ftlib.kernels.rope")
+_MOD = importlib.import_module("ftlib.cpu.rope")
 
 
 def _cpp_available() -> bool:
     x = torch.zeros(1, 1, 1, 2)
-    return rope_backend(x, torch.zeros(1, 1, 2), torch.zeros(1, 1, 2)) == "cpp"
+    return rope_backend(x, torch.zeros(1, 1, 2), torch.zeros(1, 1, 2)) == "cpu"
 
 
 def _reference(x, cos, sin):
     return x * cos.unsqueeze(-2) + rotate_half(x) * sin.unsqueeze(-2)
 
 
-@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(1, 2), st.integers(1, 9), st.integers(1, 5), st.sampled_from([2, 6, 16, 18, 34, 64]),
        st.integers(0, 2**31 - 1))
@@ -30,13 +30,13 @@ def test_rope_matches_float64_reference(monkeypatch, backend, b, t, h, d, seed):
     """Invariant: y = x cos + rotate_half(x) sin and dx = dy cos - rotate_half(dy sin) (the
     transpose) to fp32 rounding, for cos/sin with unequal halves too (the kernels read both), head
     dims with a vector body and a scalar tail."""
-    if backend == "cpp" and not _cpp_available():
-        pytest.skip("csrc/rope.cpp needs a C++ compiler and an AVX2 + FMA CPU")
+    if backend == "cpu" and not _cpp_available():
+        pytest.skip("ftlib/cpu/csrc/rope.cpp needs a C++ compiler and an AVX2 + FMA CPU")
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(b, t, h, d, generator=gen).requires_grad_()
     cos, sin = torch.randn(b, t, d, generator=gen), torch.randn(b, t, d, generator=gen)
     dy = torch.randn(b, t, h, d, generator=gen)
-    monkeypatch.setenv("FTLIB_ROPE_BACKEND", "auto" if backend == "cpp" else "torch")
+    monkeypatch.setenv("FTLIB_ROPE_BACKEND", backend)
     assert rope_backend(x, cos, sin) == backend
     y = rope(x, cos, sin)
     (dx,) = torch.autograd.grad(y, x, dy)
@@ -47,12 +47,12 @@ def test_rope_matches_float64_reference(monkeypatch, backend, b, t, h, d, seed):
     torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_backward_keeps_only_the_tables(monkeypatch, backend):
     """Backward keeps cos and sin only (as autograd through the textbook ops does): no [B, T, H, D]."""
-    if backend == "cpp" and not _cpp_available():
-        pytest.skip("csrc/rope.cpp needs a C++ compiler and an AVX2 + FMA CPU")
-    monkeypatch.setenv("FTLIB_ROPE_BACKEND", "auto" if backend == "cpp" else "torch")
+    if backend == "cpu" and not _cpp_available():
+        pytest.skip("ftlib/cpu/csrc/rope.cpp needs a C++ compiler and an AVX2 + FMA CPU")
+    monkeypatch.setenv("FTLIB_ROPE_BACKEND", backend)
     x = torch.randn(2, 7, 3, 8, requires_grad=True)
     q = x * 2.0
     cos, sin = torch.randn(2, 7, 8), torch.randn(2, 7, 8)
@@ -64,12 +64,12 @@ def test_backward_keeps_only_the_tables(monkeypatch, backend):
 
 def test_cpp_thread_split_is_bit_equal(monkeypatch):
     if not _cpp_available():
-        pytest.skip("csrc/rope.cpp needs a C++ compiler and an AVX2 + FMA CPU")
+        pytest.skip("ftlib/cpu/csrc/rope.cpp needs a C++ compiler and an AVX2 + FMA CPU")
     x, cos, sin = torch.randn(1, 13, 4, 64), torch.randn(1, 13, 64), torch.randn(1, 13, 64)
-    one = [_MOD._cpu_rope(x, cos, sin, adj) for adj in (False, True)]
-    monkeypatch.setattr(_MOD, "_threads", lambda n: 3)
+    one = [_MOD.rope_cpu(x, cos, sin, adj) for adj in (False, True)]
+    monkeypatch.setattr(_MOD, "threads", lambda name, n: 3)
     for adj, want in zip((False, True), one):
-        assert torch.equal(_MOD._cpu_rope(x, cos, sin, adj), want)
+        assert torch.equal(_MOD.rope_cpu(x, cos, sin, adj), want)
 
 
 def test_tables_with_grad_use_the_plain_form():

@@ -13,8 +13,8 @@ from ftlib.kernels import swiglu, swiglu_backend
 
 
 def _cpp_or_skip():
-    if swiglu_backend(torch.zeros(1), torch.zeros(1)) != "cpp":
-        pytest.skip("csrc/swiglu.cpp needs a C++ compiler and an AVX2 + FMA CPU")
+    if swiglu_backend(torch.zeros(1), torch.zeros(1)) != "cpu":
+        pytest.skip("ftlib/cpu/csrc/swiglu.cpp needs a C++ compiler and an AVX2 + FMA CPU")
 
 
 @settings(max_examples=25, deadline=None)
@@ -39,10 +39,10 @@ def test_cpp_matches_float64_reference(n, spread, seed):
 def test_cpp_work_split_over_threads(monkeypatch):
     _cpp_or_skip()
     g, u, dh = torch.randn(3, 1001), torch.randn(3, 1001), torch.randn(3, 1001)
-    mod = importlib.import_module("ftlib.kernels.swiglu")
-    one = (mod._fwd(g, u), *mod._bwd(dh, g, u))
-    monkeypatch.setattr(mod, "_threads", lambda n: 3)
-    for a, b in zip(one, (mod._fwd(g, u), *mod._bwd(dh, g, u))):
+    mod = importlib.import_module("ftlib.cpu.swiglu")
+    one = (mod.swiglu_cpu(g, u), *mod._swiglu_cpu_backward(dh, g, u))
+    monkeypatch.setattr(mod, "threads", lambda name, n: 3)
+    for a, b in zip(one, (mod.swiglu_cpu(g, u), *mod._swiglu_cpu_backward(dh, g, u))):
         assert torch.equal(a, b)
 
 
@@ -72,6 +72,11 @@ def test_backend_choice(monkeypatch):
     with pytest.raises(ValueError, match="FTLIB_SWIGLU_BACKEND"):
         swiglu(g, g)
     monkeypatch.setenv("FTLIB_SWIGLU_BACKEND", "auto")
-    monkeypatch.setattr(importlib.import_module("ftlib.kernels.swiglu"), "_library", lambda: None)  # no compiler: the reference
-    assert swiglu_backend(g, g) == "torch"
+    no_build = "no C++ compiler found (c++, g++ or clang++ on PATH, or $CXX)"
+    monkeypatch.setattr(importlib.import_module("ftlib.cpu.swiglu"), "why_not", lambda name: no_build)
+    assert swiglu_backend(g, g) == "torch"  # no compiler: auto takes the reference
+    monkeypatch.setenv("FTLIB_SWIGLU_BACKEND", "cpu")  # forcing the kernel is an error naming why
+    with pytest.raises(RuntimeError, match=r"FTLIB_SWIGLU_BACKEND=cpu cannot run this call: no C\+\+ compiler"):
+        swiglu(g, g)
+    monkeypatch.setenv("FTLIB_SWIGLU_BACKEND", "auto")
     torch.testing.assert_close(swiglu(g + 1, g + 2), F.silu(g + 1) * (g + 2))

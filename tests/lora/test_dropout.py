@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import ftlib.lora._fused as fused_mod
 import ftlib.lora.layers as layers_mod
+from ftlib.cpu import lora_cpu_unsupported
 from ftlib.kernels.lora_ref import uniform16_ref
 from ftlib.lora import LoRALinear
 from ftlib.lora.dropout import dropout_mask, kept_fraction, masked_linear
@@ -44,14 +46,12 @@ def test_cpu_mask_is_the_fused_kernels_philox_stream(monkeypatch, shape, p, comp
     """The CPU mask is ``uniform16_ref(seed, 0, rows, cols) >= round(p 2^16)`` of the flattened
     [rows, cols] input, seed one draw of torch's generator: the C++ kernel's 256- and 64-column
     vector blocks and its scalar tail, split over 3 threads, and the PyTorch fallback (no library)."""
-    dropout = importlib.import_module("ftlib.lora.dropout")
     if compiled:
-        lib = dropout._library()
-        if lib is None or not lib.ft_lora_supported(8):
-            pytest.skip("csrc/lora_dropout.cpp needs a C++ compiler and an AVX2 + FMA CPU")
-        monkeypatch.setattr(dropout, "_threads", lambda n: 3)
+        if lora_cpu_unsupported() is not None:
+            pytest.skip("ftlib/cpu/csrc/lora_dropout.cpp needs a C++ compiler and an AVX2 + FMA CPU")
+        monkeypatch.setattr(importlib.import_module("ftlib.cpu.lora_dropout"), "threads", lambda name, n: 3)
     else:
-        monkeypatch.setattr(dropout, "_library", lambda: None)
+        monkeypatch.setenv("FTLIB_LORA_BACKEND", "torch")  # the same stream in PyTorch ops
     torch.manual_seed(11)
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
     torch.manual_seed(11)
@@ -194,12 +194,9 @@ def test_lora_layer_update_and_gradients_float64(monkeypatch, shape, p):
 
 
 def _cpu_lib_or_skip(r=16):
-    from ftlib.lora import dropout
-
-    lib = dropout._library()
-    if lib is None or not lib.ft_lora_supported(r):
-        pytest.skip("csrc/lora_dropout.cpp needs a C++ compiler and an AVX2 + FMA CPU")
-    return dropout
+    if lora_cpu_unsupported(r) is not None:
+        pytest.skip("ftlib/cpu/csrc/lora_dropout.cpp needs a C++ compiler and an AVX2 + FMA CPU")
+    return importlib.import_module("ftlib.cpu.lora_dropout")
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -209,28 +206,28 @@ def test_cpu_kernels_equal_float64_products(monkeypatch, r, n, k, threads):
     """The three C++ products on odd shapes (row and column tails, every rank branch, work split over
     threads) against float64: u = (x * m) A^T * c, dx = (du A) * m, dA = du^T (x * m); a NaN in x
     stays NaN where dropped."""
-    dropout = _cpu_lib_or_skip(r)
-    monkeypatch.setattr(dropout, "_threads", lambda n: threads)
+    wing = _cpu_lib_or_skip(r)
+    monkeypatch.setattr(wing, "threads", lambda name, n: threads)
     g = torch.Generator().manual_seed(r * 1000 + n + k)
     x, a, du = torch.randn(n, k, generator=g), torch.randn(r, k, generator=g), torch.randn(n, r, generator=g)
     m = torch.rand(n, k, generator=g) > 0.3
     xm = x.double() * m
     tol = dict(rtol=1e-5, atol=1e-5 * math.sqrt(k))
-    torch.testing.assert_close(dropout._cpu_xa(x, m, a, 0.7).double(), xm @ a.double().t() * 0.7, **tol)
-    torch.testing.assert_close(dropout._cpu_dx(du, a, m).double(), (du.double() @ a.double()) * m, **tol)
-    torch.testing.assert_close(dropout._cpu_da(du, x, m).double(), du.double().t() @ xm, rtol=1e-5,
+    torch.testing.assert_close(wing.masked_xa_cpu(x, m, a, 0.7).double(), xm @ a.double().t() * 0.7, **tol)
+    torch.testing.assert_close(wing.masked_dx_cpu(du, a, m).double(), (du.double() @ a.double()) * m, **tol)
+    torch.testing.assert_close(wing.masked_da_cpu(du, x, m).double(), du.double().t() @ xm, rtol=1e-5,
                                atol=1e-5 * math.sqrt(n))
     x[0, 0], m[0, 0] = float("nan"), False
-    assert dropout._cpu_xa(x, m, a, 1.0)[0].isnan().all()  # as x * m in the PyTorch path
+    assert wing.masked_xa_cpu(x, m, a, 1.0)[0].isnan().all()  # as x * m in the PyTorch path
 
 
 def test_lora_layer_cpu_kernels_equal_torch_ops(monkeypatch):
     """An fp32 LoRA layer with dropout on CPU runs the C++ products (counted), and its output and
     gradients equal the PyTorch path's (FTLIB_LORA_BACKEND=torch) on the same masks."""
-    dropout = _cpu_lib_or_skip(16)
+    wing = _cpu_lib_or_skip(16)
     calls = []
-    real = dropout._cpu_xa
-    monkeypatch.setattr(dropout, "_cpu_xa", lambda *a: calls.append(1) or real(*a))
+    real = wing.masked_xa_cpu
+    monkeypatch.setattr(wing, "masked_xa_cpu", lambda *a: calls.append(1) or real(*a))
 
     def run():
         torch.manual_seed(0)
@@ -260,8 +257,8 @@ def test_one_node_cpu_layer_equals_the_general_path(monkeypatch, shape, bias):
     (base layer, then ``masked_linear`` and B's in-place product) on the same mask."""
     _cpu_lib_or_skip(8)
     taken = []
-    real = layers_mod.masked_lora_linear
-    monkeypatch.setattr(layers_mod, "masked_lora_linear", lambda *a: taken.append(1) or real(*a))
+    real = fused_mod.masked_lora_linear
+    monkeypatch.setattr(fused_mod, "masked_lora_linear", lambda *a: taken.append(1) or real(*a))
 
     def run():
         torch.manual_seed(0)
@@ -275,7 +272,7 @@ def test_one_node_cpu_layer_equals_the_general_path(monkeypatch, shape, bias):
 
     got = run()
     assert len(taken) == 1
-    monkeypatch.setattr(layers_mod.LoRALinear, "_masked_cpu_forward", lambda self, x: None)
+    monkeypatch.setattr(fused_mod, "masked_lora_linear", lambda *a: None)  # the layer's own two-node path
     want = run()
     for name, t, w in zip(("y", "dx", "dA", "dB"), got, want):
         torch.testing.assert_close(t, w, rtol=1e-5, atol=1e-5, msg=name)

@@ -1,6 +1,6 @@
-"""``attention_cpu``'s flash kernels (``csrc/flash_attn.cpp``) against the float64 reference: ragged
-packs, GQA, every gradient, lse against ATen's, thread counts, masking exactness, NaN, and the
-backend choice through ``attention``."""
+"""The CPU wing's flash kernels (``ftlib.cpu.attention``, ``ftlib/cpu/csrc/flash_attn.cpp``) against the
+float64 reference: ragged packs, GQA, every gradient, lse against ATen's, thread counts, masking
+exactness, NaN, and the backend choice through ``attention``."""
 
 import importlib
 
@@ -9,20 +9,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftlib.kernels import (
-    attention,
-    attention_cpu_backend,
-    attention_ref,
-    flash_attn_cpu_backward,
-    flash_attn_cpu_forward,
-)
+from ftlib.cpu import flash_attn_cpu_backward, flash_attn_cpu_forward, flash_attn_cpu_unsupported
+from ftlib.kernels import attention, attention_backend, attention_ref
 
-_MOD = importlib.import_module("ftlib.kernels.attention_cpu")
+_MOD = importlib.import_module("ftlib.cpu.attention")
 
 
 def _available() -> bool:
     x = torch.zeros(1, 1, 8)
-    return attention_cpu_backend(x, x, x) == "cpp"
+    return flash_attn_cpu_unsupported(x, x, x) is None
 
 
 pytestmark = pytest.mark.skipif(not _available(), reason="csrc/flash_attn.cpp needs a C++ compiler and AVX2 + FMA")
@@ -61,7 +56,7 @@ def test_forward_and_every_gradient_match_float64_reference(monkeypatch, lens, h
     scales that make one key dominate, 1-3 threads."""
     if sum(lens) == 0:
         lens = [*lens, 5]
-    monkeypatch.setattr(_MOD, "_threads", lambda n: threads)
+    monkeypatch.setattr(_MOD, "threads", lambda name, n: threads)
     q, k, v, g, cu = _pack(lens, *heads, d, seed)
     ref = _reference(q, k, v, g, cu, causal, scale)
     qf, kf, vf = q.float(), k.float(), v.float()
@@ -116,7 +111,7 @@ def test_fixed_for_a_thread_count_and_split_backward_exact(monkeypatch, lens, he
     ref = _reference(q, k, v, g, cu, True, 0.25)
     qf, kf, vf, gf = q.float(), k.float(), v.float(), g.float()
     for threads in (1, 2, 3, 5):
-        monkeypatch.setattr(_MOD, "_threads", lambda n, t=threads: t)
+        monkeypatch.setattr(_MOD, "threads", lambda name, n, t=threads: t)
         runs = []
         for _ in range(2):
             o, lse = flash_attn_cpu_forward(qf, kf, vf, cu, True, 0.25)
@@ -159,31 +154,37 @@ def test_nan_propagates_and_stays_in_its_document():
 
 
 def test_attention_entry_point_uses_it_and_the_env_switch(monkeypatch):
-    """``attention`` on packed fp32 CPU inputs runs this kernel (values and gradients equal the
-    reference); FTLIB_CPU_ATTN_BACKEND=aten gives ATen's kernels the same answer; fp64, a head dim
-    not a multiple of 8 and unknown values are handled."""
+    """``attention`` on packed fp32 CPU inputs runs this kernel under auto and cpu (values and gradients
+    equal the reference); FTLIB_ATTN_BACKEND=sdpa gives ATen's kernels the same answer; fp64 and a head
+    dim not a multiple of 8 go to sdpa under auto and are an error naming why when cpu is forced."""
     q, k, v, g, cu = _pack([19, 64, 1, 50], 4, 2, 16, seed=8)
     ref = _reference(q, k, v, g, cu, True, None)
     calls = []
     real = _MOD.flash_attn_cpu_forward
-    sdpa_mod = importlib.import_module("ftlib.kernels.attention_sdpa")
-    monkeypatch.setattr(sdpa_mod, "flash_attn_cpu_forward", lambda *a: calls.append(1) or real(*a))
-    for backend in ("auto", "aten"):
-        monkeypatch.setenv("FTLIB_CPU_ATTN_BACKEND", backend)
+    launcher = importlib.import_module("ftlib.kernels.attention_cpu")
+    monkeypatch.setattr(launcher, "flash_attn_cpu_forward", lambda *a: calls.append(1) or real(*a))
+    for backend in ("auto", "cpu", "sdpa"):
+        monkeypatch.setenv("FTLIB_ATTN_BACKEND", backend)
         calls.clear()
         qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
+        assert attention_backend(qf, None, kf, vf) == ("sdpa" if backend == "sdpa" else "cpu")
         o = attention(qf, kf, vf, causal=True, cu_seqlens=cu)
         got = (o, *torch.autograd.grad(o, (qf, kf, vf), g.float()))
-        assert len(calls) == (1 if backend == "auto" else 0)
+        assert len(calls) == (0 if backend == "sdpa" else 1)
         for name, a, b in zip(("o", "dq", "dk", "dv"), got, ref):
             _close(a.detach(), b, f"{name} ({backend})")
-    monkeypatch.setenv("FTLIB_CPU_ATTN_BACKEND", "auto")
-    assert attention_cpu_backend(q, k, v) == "aten"  # fp64
     x = torch.zeros(3, 2, 12)
-    assert attention_cpu_backend(x, x, x) == "aten"  # head dim 12
-    monkeypatch.setenv("FTLIB_CPU_ATTN_BACKEND", "fast")
-    with pytest.raises(ValueError, match="FTLIB_CPU_ATTN_BACKEND"):
-        attention_cpu_backend(q.float(), k.float(), v.float())
+    monkeypatch.setenv("FTLIB_ATTN_BACKEND", "auto")
+    assert attention_backend(q, None, k, v) == "sdpa"  # fp64
+    assert attention_backend(x, None, x, x) == "sdpa"  # head dim 12
+    monkeypatch.setenv("FTLIB_ATTN_BACKEND", "cpu")
+    with pytest.raises(RuntimeError, match="FTLIB_ATTN_BACKEND=cpu cannot run this call: .*fp32"):
+        attention(q, k, v, cu_seqlens=cu)
+    with pytest.raises(RuntimeError, match="FTLIB_ATTN_BACKEND=cpu cannot run this call: .*multiple of 8"):
+        attention(x, x, x)
+    monkeypatch.setenv("FTLIB_ATTN_BACKEND", "fast")
+    with pytest.raises(ValueError, match=r"FTLIB_ATTN_BACKEND='fast': expected one of auto\|flash\|triton\|sdpa\|cpu\|torch"):
+        attention(q.float(), k.float(), v.float(), cu_seqlens=cu)
 
 
 def test_bad_inputs_raise_naming_the_argument():
