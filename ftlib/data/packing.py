@@ -27,11 +27,11 @@ from __future__ import annotations
 import bisect
 import ctypes
 import heapq
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from .._backends import backend_choice
 from .._cbuild import load_library
 from .collate import collate_packed  # re-export: packed rows -> batch lives beside pad_collate
 
@@ -92,9 +92,9 @@ def bfd_assign(lengths: np.ndarray, capacity: int, backend: str | None = None) -
     if len(lengths) and (lengths.min() < 1 or lengths.max() > capacity):
         bad = int(np.flatnonzero((lengths < 1) | (lengths > capacity))[0])
         raise ValueError(f"item {bad} has length {int(lengths[bad])}, outside [1, {capacity}]")
-    backend = backend or os.environ.get("FTLIB_PACK_BACKEND", "auto")
+    backend = backend or backend_choice("FTLIB_PACK_BACKEND")
     if backend not in ("auto", "cpp", "numpy"):
-        raise ValueError(f"FTLIB_PACK_BACKEND must be auto|cpp|numpy, got {backend!r}")
+        raise ValueError(f"packing backend must be auto|cpp|numpy, got {backend!r}")
     fn = _build_cpp() if backend in ("auto", "cpp") else None
     if backend == "cpp" and fn is None:
         raise RuntimeError("packing backend 'cpp' forced, but csrc/bfd_pack.cpp could not be built "

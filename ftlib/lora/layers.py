@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.dora_ref import dora_row_norm, row_sq_norm
 from ._fused import dispatch_forward
-from .dora import dora_row_norm, row_sq_norm
 from .dropout import apply_mask, dropout_mask, masked_linear
 from .nf4 import NF4Linear
 
@@ -127,7 +127,7 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def weight_norm(self) -> torch.Tensor:
-        """DoRA's ``n = ||W + s B A||_row`` fp32 [out], detached; see ``ftlib.lora.dora`` for the cost."""
+        """DoRA's ``n = ||W + s B A||_row`` fp32 [out], detached; see ``ftlib.kernels.dora_ref`` for the cost."""
         with torch.autocast(self.lora_A.weight.device.type, enabled=False):
             return dora_row_norm(self._base_matmul, self._w_sq(), self.lora_A.weight, self.lora_B.weight,
                                  self.scaling, weight_rows=self._base_rows)

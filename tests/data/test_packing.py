@@ -106,3 +106,16 @@ def test_float_lengths_are_refused_not_truncated():
     with pytest.raises(ValueError, match="lengths must be integers.*float64"):
         bfd_assign(np.array([1.5, 2.7, 3.9]), 4)
     assert bfd_assign(np.array([], dtype=np.float64), 4)[1] == 0 and bfd_assign([1, 3], 4)[1] == 1
+
+
+def test_pack_backend_switch_is_read_from_the_one_table(monkeypatch):
+    """FTLIB_PACK_BACKEND goes through ftlib._backends: a bad value names the variable and its values;
+    ``numpy`` forced gives the same rows as ``auto``."""
+    lengths = np.array([5, 3, 7, 2, 6], dtype=np.int64)
+    auto = bfd_assign(lengths, 8)
+    monkeypatch.setenv("FTLIB_PACK_BACKEND", "numpy")
+    rows, n = bfd_assign(lengths, 8)
+    assert n == auto[1] and rows.tolist() == auto[0].tolist()
+    monkeypatch.setenv("FTLIB_PACK_BACKEND", "fast")
+    with pytest.raises(ValueError, match=r"FTLIB_PACK_BACKEND='fast': expected one of auto\|cpp\|numpy"):
+        bfd_assign(lengths, 8)
