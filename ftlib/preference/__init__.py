@@ -20,6 +20,7 @@ Modules (each with its math and references):
 
 from .logprobs import (
     PairLogps,
+    PairPolicy,
     SequenceLogprobs,
     TokenLogprobs,
     pair_logps,
@@ -47,6 +48,7 @@ __all__ = [
     "LikelihoodDisplacementMonitor",
     "LikelihoodDisplacementWarning",
     "PairLogps",
+    "PairPolicy",
     "PreferenceLoss",
     "PreferenceOutput",
     "SequenceLogprobs",

@@ -1,6 +1,6 @@
-"""Preference-tune a Llama-family model (DPO, IPO, hinge, robust DPO, SimPO, ORPO) with LoRA from a loop you own.
+"""``ftlib dpo``: preference-tune a Llama-family model (DPO, IPO, hinge, robust DPO, SimPO, ORPO) with LoRA.
 
-Read it top to bottom, copy it, change it. The recipe:
+The full command; ``examples/dpo.py`` is the same loop in 200 lines to read and copy. The recipe:
 
     1. load the base model (optionally merging an SFT adapter into it: that model is the reference)
     2. adapt it with LoRA (QLoRA with --qlora): the frozen base stays the reference, at no memory cost
@@ -21,7 +21,7 @@ printed when the chosen log-probs fall steadily while the margin grows.
 
 A real run on one GPU (pairs in JSONL with "prompt"/"messages", "chosen", "rejected"):
 
-    python examples/dpo.py --model meta-llama/Meta-Llama-3-8B-Instruct --data data/pairs/ \\
+    ftlib dpo --model meta-llama/Meta-Llama-3-8B-Instruct --data data/pairs/ \\
         --eval-data data/pairs_eval.jsonl --qlora --precision bf16 --grad-ckpt --max-length 2048 \\
         --batch-size 2 --grad-accum 8 --lr 5e-6 --beta 0.1 --out runs/llama3-dpo
 
@@ -39,8 +39,11 @@ recorded in ``run.json``), ``--lenient`` (bad pairs skipped, counted, saved in `
 User errors are one line naming the flag (exit 2); shared flags this script does not implement
 (``--eval-split``, ``--early-stop``, ``--sample-every``, ``--compile``) are refused.
 
+``main(argv) -> int`` is the command; ``train(argv) -> (model, results)`` runs it and hands back the
+trained model and the numbers (``{"log", "before", "after"}``).
+
 ``--demo`` builds the tiny demo model, tokenizer and data (no download), fine-tunes it briefly on the
-word-reversal chat data (``finetune_lora.py``, run as a separate process; it stops while held-out exact
+word-reversal chat data (``ftlib sft``, run as a separate process; it stops while held-out exact
 match is well below 100 %), merges that adapter, then builds **on-policy pairs** (``ftlib.onpolicy``):
 the SFT model's greedy and sampled answers to the SFT training prompts, scored by the task's checker,
 the right answer preferred to the model's own mistakes (no held-out prompt among them). DPO with RPO
@@ -54,8 +57,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -63,38 +64,31 @@ from pathlib import Path
 
 import torch
 
-import ftlib
 from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
 from ftlib.data import (
     DataError,
     MarginFilter,
     PairConfig,
-    PairFormatter,
     PairLoader,
-    SkipReport,
     build_pair_cache,
-    iter_records,
     pair_tokens,
-    render_chat,
 )
 from ftlib.data.cli import FlagError, FlagParser, data_error_message, number, whole
 from ftlib.data.templates import resolve_chat_template
 from ftlib.distributed import init_distributed, wrap_ddp
-from ftlib.evaluation import exact_match as greedy_exact_match
+from ftlib.evaluation import pair_exact_match, pair_metrics, pair_metrics_table
 from ftlib.lora import LoRAConfig, apply_lora, count_params, load_adapter, merge_and_unload, save_adapter
-from ftlib.losses import head_weight
 from ftlib.models import load_pretrained, load_tokenizer
-from ftlib.onpolicy import OnPolicyConfig, build_onpolicy_pairs, split_last_answer, write_pairs
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups
 from ftlib.preference import (
     LOSS_KINDS,
     LikelihoodDisplacementMonitor,
     PairLogps,
+    PairPolicy,
     PreferenceLoss,
     precompute_reference,
     reference_pair_logps,
-    sequence_logprobs,
 )
 from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
 from ftlib.train import (
@@ -117,6 +111,8 @@ from ftlib.train import (
     save_merged,
     write_run_manifest,
 )
+
+__all__ = ["build_parser", "main", "train"]
 
 # What a resume compares with the checkpoint's run (ftlib.train.resume): a change is refused unless
 # --override names it; FIXED ones cannot be overridden. batch_size x grad_accum x ranks: the global batch.
@@ -216,7 +212,7 @@ def parse_args(argv=None):
         p.error("--model and --data are required (or use --demo)")
     for k, unset in NOT_HERE.items():
         if getattr(args, k) != unset:
-            p.error(f"--{k.replace('_', '-')} is not available in dpo.py")
+            p.error(f"--{k.replace('_', '-')} is not available in ftlib dpo")
     if args.eval_every and not args.eval_data:
         p.error("--eval-every evaluates the held-out pairs: pass --eval-data FILE")
     check_output_flags(p, args)
@@ -229,70 +225,24 @@ def usage_error(msg: str):
 
 
 def demo_setup(args, out: Path) -> None:
-    """Demo assets, a short SFT run (unless --sft-adapter is given) and the held-out pairs.
+    """The demo's files (``ftlib.train.demo.dpo_demo_setup``): assets, held-out pairs, a short SFT run
+    (unless --sft-adapter is given); the training pairs come later, on-policy, from the SFT model."""
+    from ftlib.train.demo import dpo_demo_setup
 
-    Held out: one pair for each of the demo's 64 held-out word lists, prompts that no SFT training
-    record contains (``heldout_pairs``); each carries a checkable score (``reward_chosen`` 0,
-    ``reward_rejected`` minus the number of misplaced words). The training pairs are built later,
-    on-policy, from the SFT model (``demo_onpolicy_pairs``).
-    """
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from ftlib.train.demo import heldout_pairs, make_demo_assets, pair_score
-
-    make_demo_assets(out / "demo")
-    args.model = str(out / "demo" / "base")
-    pairs_dir = out / "demo" / "pairs"
-    if not (pairs_dir / "eval.jsonl").exists():
-        recs = heldout_pairs(seed=args.seed)
-        for r in recs:
-            prompt = r["messages"][-1]["content"]
-            r["reward_chosen"], r["reward_rejected"] = pair_score(prompt, r["chosen"]), pair_score(prompt, r["rejected"])
-        write_pairs(recs, pairs_dir / "eval.jsonl")
-    args.data, args.eval_data = [str(pairs_dir / "train.jsonl")], [str(pairs_dir / "eval.jsonl")]
-    if args.sft_adapter is None:
-        sft_out = out / "sft"
-        if not (sft_out / "adapter" / "adapter_config.json").exists():
-            print(f"== SFT first: {args.demo_sft_steps} steps of finetune_lora.py on the demo chat data", flush=True)
-            # the SFT recipe as its own process (one process: no torchrun variables), this ftlib first on the path
-            env = {k: v for k, v in os.environ.items()
-                   if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-            env["PYTHONPATH"] = os.pathsep.join([str(Path(ftlib.__file__).resolve().parents[1]),
-                                                 *filter(None, [env.get("PYTHONPATH")])])
-            subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "finetune_lora.py"),
-                            "--model", args.model, "--data", str(out / "demo" / "data"), "--out", str(sft_out),
-                            "--seq-len", "256", "--batch-size", "4", "--grad-accum", "1", "--lr", "2e-3",
-                            "--lora-r", "64", "--lora-alpha", "256", "--epochs", "3",
-                            "--max-steps", str(args.demo_sft_steps), "--log-every", "25", "--num-proc", "1",
-                            "--num-workers", "0", "--seed", str(args.seed), "--threads", str(torch.get_num_threads())],
-                           check=True, env=env)
-        args.sft_adapter = str(sft_out / "adapter")
+    d = dpo_demo_setup(out, seed=args.seed, sft_steps=args.demo_sft_steps, threads=torch.get_num_threads(),
+                       sft=args.sft_adapter is None)
+    args.model, args.data, args.eval_data = d["model"], [d["train"]], [d["eval"]]
+    args.sft_adapter = args.sft_adapter or d["sft_adapter"]
 
 
-def demo_onpolicy_pairs(model, tok, template: str, out: Path, args, log) -> None:
-    """The demo's training pairs, on-policy: the SFT model answers ``--demo-prompts`` of its own training
-    prompts (greedy + ``--demo-samples`` samples), the checker scores the answers, and each prompt's best
-    answer (or the right one, when the model never found it) is preferred to its mistakes."""
-    from ftlib.train.demo import heldout_records, pair_score
-
-    path = Path(args.data[0])
-    if path.exists():
-        return
-    recs = [json.loads(line) for line in (out / "demo" / "data" / "train.jsonl").read_text().splitlines()]
-    prompts, answers = zip(*(split_last_answer(r["messages"]) for r in recs[: args.demo_prompts]))
-    checker = lambda ps, ans: [pair_score(p[-1]["content"], a) for p, a in zip(ps, ans)]
-    stop = [t for t in (tok.eos_token_id, tok.tokenizer.token_to_id("<|im_end|>")) if t is not None]
-    built = build_onpolicy_pairs(model, tok, list(prompts), checker, chat_template=template, references=list(answers),
-                                 exclude=[r["messages"][:-1] for r in heldout_records()], stop_tokens=stop,
-                                 config=OnPolicyConfig(samples=args.demo_samples, temperature=1.0, max_new_tokens=24,
-                                                       seed=args.seed))
-    write_pairs(built.records, path)
-    st = built.stats
-    log(f"on-policy pairs: {st.pairs} from {st.prompts} training prompts (greedy answer already best on "
-        f"{st.greedy_best}; {st.reference_chosen} pairs prefer the reference answer; {st.no_pair} prompts "
-        f"without a mistake; {st.empty_answers} empty and {st.repeated_answers} repeated answers dropped)")
+def main(argv: list[str] | None = None) -> int:
+    """``ftlib dpo ...``: 0 when the run ends (a user error exits 2 with one line on stderr)."""
+    train(argv)
+    return 0
 
 
-def main(argv=None):
+def train(argv: list[str] | None = None):
+    """Run ``ftlib dpo`` with ``argv``; returns (the trained model, ``{"log", "before", "after"}``)."""
     args = parse_args(argv)
     env = init_distributed()  # one process without torchrun
     rank, world, device = env.rank, env.world_size, env.device
@@ -336,8 +286,13 @@ def main(argv=None):
         log(f"chat template: {resolved.source}")
     template = resolved.text if resolved is not None else None
     if args.demo:  # the training pairs come from this model's own answers
+        from ftlib.train.demo import dpo_demo_pairs
+
         if rank == 0:
-            demo_onpolicy_pairs(model, tok, template, out, args, log)
+            dpo_demo_pairs(model, tok, template, out, args.data[0], prompts=args.demo_prompts,
+                           samples=args.demo_samples, seed=args.seed, log=log,
+                           stop_tokens=[t for t in (tok.eos_token_id, tok.tokenizer.token_to_id("<|im_end|>"))
+                                        if t is not None])
         if world > 1:
             torch.distributed.barrier()
     if args.grad_ckpt:
@@ -412,7 +367,7 @@ def main(argv=None):
             usage_error("--margin-filter needs reward_chosen/reward_rejected or margin in the pairs; none has them")
         mfilter = MarginFilter(args.filter_start, args.filter_decay, args.filter_every, args.filter_floor, pad_id=pad_id)
 
-    train_model = PolicyLogps(model)
+    train_model = PairPolicy(model)
     if world > 1:
         train_model = wrap_ddp(train_model)
     try:
@@ -457,11 +412,13 @@ def main(argv=None):
     ckpt = Checkpointer(out / "checkpoints", keep=args.keep) if rank == 0 else None
 
     eval_kw = dict(loss_fn=loss_fn, pad_id=pad_id, seq_len=args.seq_len, device=device, autocast=opt.autocast)
+    stop = [t for t in (tok.eos_token_id, tok.tokenizer.token_to_id("<|im_end|>")) if t is not None]
+    em_kw = dict(limit=args.eval_generate, stop_tokens=stop, device=device)
     before, before_file = None, out / "eval_before.json"
     if "eval" in caches and rank == 0:
         if step == 0:  # the starting model (a fresh adapter changes nothing)
-            before = evaluate(model, caches["eval"], **eval_kw)
-            before.update(exact_match(model, tok, args.eval_data, pcfg, template, device, args.eval_generate))
+            before = pair_metrics(model, caches["eval"], **eval_kw)
+            before.update(pair_exact_match(model, tok, args.eval_data, pcfg, **em_kw))
             before_file.write_text(json.dumps(before) + "\n")
             log("held-out before DPO: " + _fmt(before))
         elif before_file.exists():
@@ -511,7 +468,7 @@ def main(argv=None):
             logs.append(rec)
             loggers.log(rec)
             if args.eval_every and rank == 0 and "eval" in caches and step % args.eval_every == 0:
-                ev = evaluate(model, caches["eval"], **eval_kw)
+                ev = pair_metrics(model, caches["eval"], **eval_kw)
                 loggers.log({"step": step, "kind": "eval", **ev})
                 log(f"held-out at step {step}: " + _fmt(ev))
             if "logps/chosen" in rec and (msg := monitor.update(rec)):
@@ -549,9 +506,9 @@ def main(argv=None):
     after = None
     if rank == 0:
         if "eval" in caches:
-            after = evaluate(model, caches["eval"], **eval_kw)
-            after.update(exact_match(model, tok, args.eval_data, pcfg, template, device, args.eval_generate))
-            log(results_table(before, after))
+            after = pair_metrics(model, caches["eval"], **eval_kw)
+            after.update(pair_exact_match(model, tok, args.eval_data, pcfg, **em_kw))
+            log(pair_metrics_table(before, after))
         adapter_dir = save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
         copy_tokenizer_files(args.model, adapter_dir, chat_template=template)
         (out / "train_log.json").write_text(json.dumps({"log": logs, "eval_before": before, "eval_after": after},
@@ -565,82 +522,10 @@ def main(argv=None):
     return model, {"log": logs, "before": before, "after": after}
 
 
-class PolicyLogps(torch.nn.Module):
-    """batch -> (chosen, rejected, chosen_n, rejected_n) policy log-probs; the module DDP wraps."""
-
-    KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch):
-        hidden = self.model.model(batch["input_ids"], **{k: batch[k] for k in self.KEYS if k in batch})
-        seq = sequence_logprobs(hidden, head_weight(self.model.lm_head), batch["labels"], cu_seqlens=batch.get("cu_seqlens"))
-        ci, ri = batch["chosen_index"], batch["rejected_index"]
-        return seq.sum[ci], seq.sum[ri], seq.count[ci], seq.count[ri]
-
-
-@torch.no_grad()
-def evaluate(model, cache, *, loss_fn, pad_id, seq_len, device, autocast) -> dict:
-    """Held-out pairs: reward accuracy and margin (policy vs reference) and how often the policy
-    gives the chosen response the higher log-prob (length-normalised as the loss is)."""
-    was_training = model.training
-    model.eval()
-    loader = PairLoader(cache, batch_size=1, seq_len=seq_len, pad_id=pad_id, shuffle=False, drop_last=False,
-                        rank=0, world_size=1)  # rank 0 evaluates every held-out pair
-    acc = margin = pref = n = 0.0
-    for batch in loader:
-        batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
-        with autocast():
-            policy = PairLogps(*PolicyLogps(model)(batch))
-        ref = reference_pair_logps(model, batch, autocast=autocast) if loss_fn.needs_reference else None
-        res = loss_fn(policy, ref)
-        pc, pr = policy.values(loss_fn.normalize)
-        acc += float(res.accuracies.sum())
-        margin += float(res.margins.sum())
-        pref += float((pc > pr).sum())
-        n += res.losses.numel()
-    model.train(was_training)
-    return {"pairs": int(n), "reward_accuracy": acc / n, "reward_margin": margin / n, "logp_accuracy": pref / n}
-
-
-def exact_match(model, tok, eval_data, pcfg, template, device, limit: int) -> dict:
-    """Greedy generations for up to ``limit`` distinct held-out prompts vs their chosen answers
-    (``ftlib.evaluation.exact_match``)."""
-    if not limit or pcfg.kind != "chat":
-        return {}
-    fmt, report = PairFormatter(tok.tokenizer, pcfg), SkipReport(strict=False)
-    seen, items = set(), []
-    for rec, where in iter_records(eval_data, SkipReport(strict=False)):
-        conv = fmt.conversation(rec, where, report)
-        if conv is None or len(conv[1]) != 1:
-            continue  # exact match is defined for one-turn answers
-        prompt = render_chat(conv[0], template, add_generation_prompt=True, bos_token=tok.bos_token or "",
-                             eos_token=tok.eos_token or "")
-        if prompt not in seen:
-            seen.add(prompt)
-            items.append((prompt, conv[1][0]["content"].strip()))
-        if len(items) >= limit:
-            break
-    if not items:
-        return {}
-    stop = [t for t in (tok.eos_token_id, tok.tokenizer.token_to_id("<|im_end|>")) if t is not None]
-    longest = max(len(tok.encode(a, add_special_tokens=False)) for _, a in items)
-    em = greedy_exact_match(model, tok, [p for p, _ in items], [a for _, a in items], max_new_tokens=longest + 4,
-                            batch_size=16, stop_tokens=stop, device=device)
-    examples = [f"{r!r} -> {p!r}" for p, r in zip(em.predictions[:3], em.references[:3])]
-    return {"exact_match": em.accuracy, "generated": em.total, "examples": examples}
-
-
 def _pair_mean(stats: list[dict], key: str) -> float:
     """Pair-weighted mean of ``key`` over the micro-batches' ``PreferenceOutput.stats()``."""
     n = sum(s["n_pairs"] for s in stats)
     return sum(s[key] * s["n_pairs"] for s in stats if s["n_pairs"]) / max(n, 1)
-
-
-def pad_token(tok) -> int:
-    return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
 
 def _fmt(m: dict | None) -> str:
@@ -653,20 +538,5 @@ def _fmt(m: dict | None) -> str:
     return s
 
 
-def results_table(before: dict | None, after: dict) -> str:
-    """The held-out numbers before and after DPO, one row each."""
-    rows = [("exact match", "exact_match", "{:.3f}"), ("reward accuracy", "reward_accuracy", "{:.3f}"),
-            ("mean margin", "reward_margin", "{:.4f}"), ("log-prob accuracy", "logp_accuracy", "{:.3f}")]
-    head = f"held-out ({after['pairs']} pairs" + (f", {after['generated']} prompts generated)" if "generated" in after else ")")
-    lines = [f"{head:<44} {'before':>8} {'after':>8}"]
-    for name, key, f in rows:
-        if key in after:
-            b = f.format(before[key]) if before and key in before else "n/a"
-            lines.append(f"{name:<44} {b:>8} {f.format(after[key]):>8}")
-    if "examples" in after:
-        lines.append("after, e.g.: " + "; ".join(after["examples"][:2]))
-    return "\n".join(lines)
-
-
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
