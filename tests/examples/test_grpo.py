@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,12 @@ def _run(out, *extra, wait=True):
 def _final_state(out: Path):
     d = out / "checkpoints" / "step-00000004"
     return load_file(d / "adapter_model.safetensors"), load_file(d / "optimizer.safetensors")
+
+
+def test_the_example_is_a_short_loop():
+    text = EXAMPLE.read_text()
+    assert len(text.splitlines()) <= 200
+    assert len(re.findall(r"add_argument\(\"--", text)) <= 15
 
 
 def test_grpo_example_runs_and_resumes_exactly(tmp_path):
