@@ -141,7 +141,7 @@ def main(argv=None):
                         chosen, rejected = pair_rewards(scorer, batch)  # [B] scores each, at each sequence's end
                     loss_sum, n = bradley_terry_loss(chosen, rejected)  # sum of -log sigmoid(r_c - r_r), pairs
                     (loss_sum / n / args.grad_accum).backward()
-                loss_total += float(loss_sum) / float(n) / args.grad_accum
+                loss_total += float(loss_sum.detach()) / float(n) / args.grad_accum
                 correct += pairwise_accuracy(chosen.detach(), rejected.detach()) * len(chosen)
                 pairs += len(chosen)
             grad_norm = float(clipper(params).norm_before)  # clipped to norm 1 in place; the norm before
