@@ -140,7 +140,7 @@ NOT_HERE = {"eval_split": 0.0, "early_stop": 0, "sample_every": 0, "compile": Fa
 
 
 def build_parser() -> FlagParser:
-    p = FlagParser(description=__doc__.split("\n")[0])
+    p = FlagParser(prog="ftlib dpo", description=__doc__.split("\n")[0])
     # the flags every ftlib script shares (ftlib.train.cli); pairs are chat or text records
     add_model_flags(p)
     add_data_flags(p, kinds=("chat", "text"))

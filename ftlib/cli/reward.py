@@ -137,7 +137,7 @@ NOT_HERE = {"eval_split": 0.0, "early_stop": 0, "sample_every": 0, "compile": Fa
 
 
 def build_parser() -> FlagParser:
-    p = FlagParser(description=__doc__.split("\n")[0])
+    p = FlagParser(prog="ftlib reward", description=__doc__.split("\n")[0])
     # the flags every ftlib script shares (ftlib.train.cli); pairs are chat records
     add_model_flags(p, precisions=("auto", "bf16", "fp16", "fp32"),
                     precision_help="default: auto on CUDA (bf16 where supported), fp32 on CPU")
