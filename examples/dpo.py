@@ -28,7 +28,7 @@ from ftlib.evaluation import pair_exact_match, pair_metrics, pair_metrics_table
 from ftlib.lora import LoRAConfig, apply_lora, load_adapter, merge_and_unload, save_adapter, trainable_params
 from ftlib.models import load_pretrained, load_tokenizer
 from ftlib.preference import PairLogps, PairPolicy, PreferenceLoss, precompute_reference, reference_pair_logps
-from ftlib.sched import LRScheduler, WarmupDecay, resolve_warmup
+from ftlib.sched import LRScheduler, WarmupDecay
 from ftlib.train import plan_steps
 from ftlib.train.demo import dpo_demo_pairs, dpo_demo_setup
 
@@ -108,8 +108,7 @@ def main(argv=None):
     # 4. optimizer, clipper, schedule; the DDP-wrapped policy; the held-out numbers
     params = list(trainable_params(model).values())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    sched = LRScheduler(opt, WarmupDecay(plan.total, warmup=resolve_warmup(plan.total, warmup_ratio=0.1),
-                                         min_lr_ratio=0.1))
+    sched = LRScheduler(opt, WarmupDecay(plan.total, warmup_ratio=0.1, min_lr_ratio=0.1))
     clipper = GlobalNormClipper(1.0)
     policy = wrap_ddp(PairPolicy(model)) if world > 1 else PairPolicy(model)
     autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")

@@ -34,7 +34,7 @@ from ftlib.evaluation import reward_pair_metrics
 from ftlib.lora import LoRAConfig, apply_lora, merge_and_unload, save_adapter, trainable_params
 from ftlib.losses import bradley_terry_loss
 from ftlib.models import load_reward_model, load_tokenizer, pair_rewards, pairwise_accuracy, save_reward_model
-from ftlib.sched import LRScheduler, WarmupDecay, resolve_warmup
+from ftlib.sched import LRScheduler, WarmupDecay
 from ftlib.train import copy_tokenizer_files, plan_steps
 from ftlib.train.demo import make_demo_assets, reward_demo_pairs
 
@@ -104,8 +104,7 @@ def main(argv=None):
     # 4. optimizer, clipper, schedule; the DDP-wrapped model; the held-out numbers
     params = list(trainable_params(model).values())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    sched = LRScheduler(opt, WarmupDecay(plan.total, warmup=resolve_warmup(plan.total, warmup_ratio=0.05),
-                                         min_lr_ratio=0.1))
+    sched = LRScheduler(opt, WarmupDecay(plan.total, warmup_ratio=0.05, min_lr_ratio=0.1))
     clipper = GlobalNormClipper(1.0)
     scorer = wrap_ddp(model) if world > 1 else model
     autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")

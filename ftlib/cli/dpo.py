@@ -73,12 +73,13 @@ from ftlib.data import (
     PairLoader,
     build_pair_cache,
     pair_tokens,
+    resolve_chat_template,
 )
 from ftlib.data.cli import FlagError, FlagParser, data_error_message, number, whole
-from ftlib.data.templates import resolve_chat_template
 from ftlib.distributed import init_distributed, wrap_ddp
 from ftlib.evaluation import pair_exact_match, pair_metrics, pair_metrics_table
 from ftlib.lora import LoRAConfig, apply_lora, count_params, load_adapter, merge_and_unload, save_adapter
+from ftlib.metrics import MetricsLogger
 from ftlib.models import load_pretrained, load_tokenizer
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups
 from ftlib.preference import (
@@ -90,7 +91,7 @@ from ftlib.preference import (
     precompute_reference,
     reference_pair_logps,
 )
-from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
+from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay
 from ftlib.train import (
     ResumeError,
     add_data_flags,
@@ -101,7 +102,6 @@ from ftlib.train import (
     check_output_flags,
     copy_tokenizer_files,
     cpu_threads,
-    open_loggers,
     parse_with_config,
     pick_precision,
     plan_steps,
@@ -375,11 +375,10 @@ def train(argv: list[str] | None = None):
     except ValueError as e:
         usage_error(f"{e}: more pairs, or a smaller --batch-size / --grad-accum")
     steps_per_epoch, total = plan.steps_per_epoch, plan.total
-    warmup = resolve_warmup(total, warmup_ratio=args.warmup_ratio)
     if args.schedule == "plateau":
-        schedule = PlateauCosine(total=total, warmup=warmup, min_lr_ratio=0.1)
+        schedule = PlateauCosine(total=total, warmup_ratio=args.warmup_ratio, min_lr_ratio=0.1)
     else:
-        schedule = WarmupDecay(total=total, warmup=warmup, decay=args.schedule, min_lr_ratio=0.1)
+        schedule = WarmupDecay(total=total, warmup_ratio=args.warmup_ratio, decay=args.schedule, min_lr_ratio=0.1)
     sched = LRScheduler(opt.optimizer, schedule)
     clipper = GlobalNormClipper(args.clip)
 
@@ -401,8 +400,9 @@ def train(argv: list[str] | None = None):
                            extra={"chat_template": {"text": resolved.text, "source": resolved.source}
                                   if resolved is not None else None,
                                   "skipped": {k: r.to_dict() for k, r in reports.items()}})
-    loggers = open_loggers(args.report_to if rank == 0 else [], out=out, config=vars(args), start_step=step,
-                           run_name=out.name)
+    loggers = MetricsLogger(None, start_step=step, progress=False, print_every=None,  # the trackers of --report-to
+                            report_to=args.report_to if rank == 0 else [], log_dir=out, run_config=vars(args),
+                            run_name=out.name)
     tokens_seen, logs = extra.get("tokens_seen", 0), extra.get("logs", [])
     if mfilter is not None and "filter" in extra:
         mfilter.load_state_dict(extra["filter"])

@@ -44,9 +44,8 @@ import torch
 from ftlib import rl
 from ftlib.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from ftlib.clip import GlobalNormClipper
-from ftlib.data import DataError, SkipReport, iter_records, render_chat
+from ftlib.data import DataError, SkipReport, iter_records, render_chat, resolve_chat_template
 from ftlib.data.cli import FlagParser, data_error_message, number, whole
-from ftlib.data.templates import resolve_chat_template
 from ftlib.distributed import init_distributed
 from ftlib.lora import LoRAConfig, apply_lora, save_adapter, trainable_params
 from ftlib.models import load_pretrained, load_reward_model, load_tokenizer, save_pretrained

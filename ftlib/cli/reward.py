@@ -73,9 +73,16 @@ import torch
 
 from ftlib.checkpoint import Checkpointer
 from ftlib.clip import GlobalNormClipper
-from ftlib.data import DataError, PairConfig, PairLoader, SkipReport, build_pair_cache, iter_records
+from ftlib.data import (
+    DataError,
+    PairConfig,
+    PairLoader,
+    SkipReport,
+    build_pair_cache,
+    iter_records,
+    resolve_chat_template,
+)
 from ftlib.data.cli import FlagError, FlagParser, data_error_message, number, whole
-from ftlib.data.templates import resolve_chat_template
 from ftlib.distributed import init_distributed
 from ftlib.evaluation import reward_pair_metrics, score_pairs
 from ftlib.lora import (
@@ -88,6 +95,7 @@ from ftlib.lora import (
     save_adapter,
 )
 from ftlib.losses import bradley_terry_loss
+from ftlib.metrics import MetricsLogger
 from ftlib.models import (
     load_pretrained,
     load_reward_model,
@@ -99,7 +107,7 @@ from ftlib.models import (
 from ftlib.offload import offload_modules
 from ftlib.onpolicy import OnPolicyConfig, build_onpolicy_pairs, prompt_key, reward_model_scorer, write_pairs
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups, resolve_precision
-from ftlib.sched import CosineRestarts, LRScheduler, WarmupDecay, resolve_warmup
+from ftlib.sched import CosineRestarts, LRScheduler, WarmupDecay
 from ftlib.train import (
     ResumeError,
     add_data_flags,
@@ -111,7 +119,6 @@ from ftlib.train import (
     copy_tokenizer_files,
     cpu_threads,
     eval_intervals,
-    open_loggers,
     parse_with_config,
     pick_precision,
     plan_steps,
@@ -333,7 +340,7 @@ def train(argv: list[str] | None = None):
         schedule = CosineRestarts(max(1, total // args.restart_cycles), min_lr_ratio=0.1,
                                   warmup_ratio=args.warmup_ratio)
     else:
-        schedule = WarmupDecay(total, warmup=resolve_warmup(total, warmup_ratio=args.warmup_ratio), min_lr_ratio=0.1)
+        schedule = WarmupDecay(total, warmup_ratio=args.warmup_ratio, min_lr_ratio=0.1)
     sched = LRScheduler(opt.optimizer, schedule)
     decay = None
     if args.decay_rank is not None:  # every LoRA layer shrinks to --decay-rank at one step; Adam's state is projected
@@ -361,7 +368,8 @@ def train(argv: list[str] | None = None):
     write_run_manifest(out, vars(args), device=device, world_size=1, data_fingerprint=data_fp, resume=resumed,
                        extra={"chat_template": {"text": template, "source": resolved.source},
                               "skipped": {k: r.to_dict() for k, r in reports.items()}})
-    loggers = open_loggers(args.report_to, out=out, config=vars(args), start_step=step, run_name=out.name)
+    loggers = MetricsLogger(None, start_step=step, progress=False, print_every=None, report_to=args.report_to,
+                            log_dir=out, run_config=vars(args), run_name=out.name)  # the trackers of --report-to
     if step == 0 and before is not None:  # the step-0 point of the held-out curve
         evals_log.append({"step": 0, "kind": "eval", **before})
         loggers.log(evals_log[-1])
