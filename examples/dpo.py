@@ -90,7 +90,7 @@ def main(argv=None):
     max_length = 64 if args.demo else 1024  # prompt + one response; both sides of a pair share a row
     pcfg = PairConfig(kind="chat", chat_template=tok.chat_template, eos_token=tok.eos_token,
                       bos_token=tok.bos_token, max_length=max_length)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad_id = tok.pad_id
     caches = {}
     for split, src in (("train", args.data), ("eval", args.eval_data)):
         if src:

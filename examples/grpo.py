@@ -90,7 +90,7 @@ def main(argv=None):
     cfg = rl.GRPOConfig(loss_type=args.loss_type, beta=args.beta, epsilon_low=0.2, epsilon_high=0.28,
                      max_completion_length=args.max_new_tokens)
     sampling = rl.SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_tokens=(tok.eos_token_id,))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = tok.pad_id
     gen = rl.ModelGenerator(model, pad)
     rng = torch.Generator().manual_seed(args.seed)  # the sampler's RNG: saved in every checkpoint
     # the loop: resume, then per step rollouts -> rewards -> advantages -> loss -> step -> log -> checkpoint

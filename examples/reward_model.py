@@ -90,7 +90,7 @@ def main(argv=None):
     # 3. pairs -> pair caches (tokenized once), read as padded rows: chosen and rejected each its own sequence
     pcfg = PairConfig(kind="chat", chat_template=tok.chat_template, eos_token=tok.eos_token,
                       bos_token=tok.bos_token, max_length=args.max_length)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad_id = tok.pad_id
     caches = {}
     for split, src in (("train", args.data), ("eval", args.eval_data)):
         if src:

@@ -317,7 +317,7 @@ def train(argv: list[str] | None = None):
                       eos_token=tok.eos_token, bos_token=tok.bos_token, max_length=args.max_length,
                       add_bos=args.kind == "text" and tok.bos_token is not None,
                       max_prompt_length=args.max_prompt_length)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    pad_id = tok.pad_id
     caches = {}
     for split, src in (("train", args.data), ("eval", args.eval_data)):
         if not src:

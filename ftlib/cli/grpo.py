@@ -276,7 +276,7 @@ def train(argv: list[str] | None = None) -> dict:
                         max_completion_length=args.max_new_tokens, temperature=args.temperature)
     sampling = rl.SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                  max_new_tokens=args.max_new_tokens, stop_tokens=stop)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = tok.pad_id
     gen = rl.ModelGenerator(model, pad)
     rng = torch.Generator().manual_seed(args.seed)  # the sampler's RNG: saved in every checkpoint
     settings = {k: getattr(args, k) for k in SETTINGS} | {"chat_template": template}

@@ -287,7 +287,7 @@ def train(argv: list[str] | None = None):
                       prompt_field=args.prompt_field, system_field=args.system_field, turn_end=args.turn_end,
                       eos_token=tok.eos_token, bos_token=tok.bos_token, max_length=args.max_length,
                       margin_field=args.margin_field or "margin")
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    pad_id = tok.pad_id
     caches = {}
     for split, src, flag in (("train", args.data, "--data"), ("eval", args.eval_data, "--eval-data")):
         if not src:
