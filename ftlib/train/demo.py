@@ -258,7 +258,7 @@ def noisy_sft(model, tokenizer, prompts: list[dict], *, steps: int, seed: int = 
     from ftlib.losses import causal_lm_loss
 
     rng, eos = random.Random(seed), tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    pad = tokenizer.pad_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
         docs = []
