@@ -144,11 +144,10 @@ def dpo_step(model, opt, batch, variant, loss_fn, autocast):
 
 
 def example_num_workers() -> int:
-    """examples/dpo.py's --num-workers default (what its PairLoader runs with unless told)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-    import dpo
+    """``ftlib dpo``'s --num-workers default (what its PairLoader runs with unless told)."""
+    from ftlib.cli.dpo import build_parser
 
-    return int(dpo.build_parser().get_default("num_workers"))
+    return int(build_parser().get_default("num_workers"))
 
 
 def child(args) -> dict:

@@ -1,671 +1,188 @@
-"""Preference-tune a Llama-family model (DPO, IPO, hinge, robust DPO, SimPO, ORPO) with LoRA from a loop you own.
+"""DPO with LoRA from a loop you own: read it top to bottom, copy it, change it.
 
-Read it top to bottom, copy it, change it. The recipe:
+    python examples/dpo.py --demo --out runs/dpo                  # tiny model, CPU, a few minutes
+    python examples/dpo.py --model runs/sft/merged --data pairs.jsonl --eval-data eval.jsonl --out runs/dpo
+    torchrun --nproc_per_node=8 examples/dpo.py --model ... --data ... --out ...   # DDP, pairs sharded by rank
 
-    1. load the base model (optionally merging an SFT adapter into it: that model is the reference)
-    2. adapt it with LoRA (QLoRA with --qlora): the frozen base stays the reference, at no memory cost
-    3. tokenize the pairs once into a pair cache (chat template, loss on the responses only) and
-       pack both sides of each pair into the same row, without padding
-    4. reference log-probs: computed once into the cache (--reference precompute, the default) or
-       a no-grad pass with the adapters disabled at every step (--reference adapters-off)
-    5. loop: margin filter -> policy forward (chunked log-probs, no full logits) -> loss -> backward
-       -> clip -> step -> schedule
-    6. evaluate held-out pairs (reward accuracy, margin) and the exact match of greedy generations
-       with the chosen answers, before and after; save the adapter in PEFT's format
-
-Guards against likelihood displacement (the margin grows while the chosen responses' likelihood
-falls): ``--rpo-alpha`` adds the chosen response's NLL per token (RPO, TRL's ``rpo_alpha``),
-``--dpop-lambda`` DPOP's penalty; every step logs the chosen/rejected log-probs, rewards and margins
-under TRL's names (``logps/chosen``, ``rewards/margins``, ... in ``train_log.json``) and a warning is
-printed when the chosen log-probs fall steadily while the margin grows.
-
-A real run on one GPU (pairs in JSONL with "prompt"/"messages", "chosen", "rejected"):
-
-    python examples/dpo.py --model meta-llama/Meta-Llama-3-8B-Instruct --data data/pairs/ \\
-        --eval-data data/pairs_eval.jsonl --qlora --precision bf16 --grad-ckpt --max-length 2048 \\
-        --batch-size 2 --grad-accum 8 --lr 5e-6 --beta 0.1 --out runs/llama3-dpo
-
-``--seq-len`` (packed row) defaults to 2 x ``--max-length``, so every pair fits one row. Under
-``torchrun --nproc_per_node=N`` the pairs are sharded by rank and gradients averaged by DDP.
-
-Killed? The same command with ``--resume`` continues from the newest good checkpoint, bit for bit; a
-changed setting is refused (named old -> new) unless ``--override name,...`` takes the new value.
-
-The flags are the ones every ftlib training script shares (``ftlib.train.cli``): ``--kind chat|text``
-(``--format`` is the old name), ``--chat-template`` (default: the tokenizer's; none is refused, no
-silent ChatML; the template used is written into ``adapter/``, the checkpoints and ``merged/`` and
-recorded in ``run.json``), ``--lenient`` (bad pairs skipped, counted, saved in ``skipped.json``),
-``--config``, ``--threads``, ``--eval-every`` (held-out DPO metrics every N steps), ``--report-to``.
-User errors are one line naming the flag (exit 2); shared flags this script does not implement
-(``--eval-split``, ``--early-stop``, ``--sample-every``, ``--compile``) are refused.
-
-``--demo`` builds the tiny demo model, tokenizer and data (no download), fine-tunes it briefly on the
-word-reversal chat data (``finetune_lora.py``, run as a separate process; it stops while held-out exact
-match is well below 100 %), merges that adapter, then builds **on-policy pairs** (``ftlib.onpolicy``):
-the SFT model's greedy and sampled answers to the SFT training prompts, scored by the task's checker,
-the right answer preferred to the model's own mistakes (no held-out prompt among them). DPO with RPO
-on those pairs, then the held-out numbers before and after: a few minutes on a 2-core CPU. Pairs the
-model already ranks right (the reversed list against a shuffled one) only widen margins and lower
-exact match; pairs from its own mistakes raise it.
+Pairs: JSONL records {"messages": [prompt turns], "chosen": str, "rejected": str}. LoRA adapters on the
+model (adapters off = the reference, at no memory cost); pairs tokenized once into a pair cache, the
+reference log-probs computed once into it; then the loop (both sides of a pair packed in one row,
+chunked log-probs). ``--demo``: SFT the tiny demo model, then DPO on its own mistakes; held-out exact
+match and reward accuracy before and after. ``ftlib dpo``: the full command (IPO/SimPO/ORPO, QLoRA, ...).
 """
 
-from __future__ import annotations
-
 import argparse
-import hashlib
 import json
-import os
-import subprocess
-import sys
+import math
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-import ftlib
-from ftlib.checkpoint import Checkpointer
+from ftlib.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from ftlib.clip import GlobalNormClipper
-from ftlib.data import (
-    DataError,
-    MarginFilter,
-    PairConfig,
-    PairFormatter,
-    PairLoader,
-    SkipReport,
-    build_pair_cache,
-    iter_records,
-    pair_tokens,
-    render_chat,
-)
-from ftlib.data.cli import FlagError, FlagParser, data_error_message, number, whole
-from ftlib.data.templates import resolve_chat_template
+from ftlib.data import PairConfig, PairLoader, build_pair_cache, pair_tokens
 from ftlib.distributed import init_distributed, wrap_ddp
-from ftlib.evaluation import exact_match as greedy_exact_match
-from ftlib.lora import LoRAConfig, apply_lora, count_params, load_adapter, merge_and_unload, save_adapter
-from ftlib.losses import head_weight
+from ftlib.evaluation import pair_exact_match, pair_metrics, pair_metrics_table
+from ftlib.lora import LoRAConfig, apply_lora, load_adapter, merge_and_unload, save_adapter, trainable_params
 from ftlib.models import load_pretrained, load_tokenizer
-from ftlib.onpolicy import OnPolicyConfig, build_onpolicy_pairs, split_last_answer, write_pairs
-from ftlib.optim import TrainOptimizer, make_adamw, param_groups
-from ftlib.preference import (
-    LOSS_KINDS,
-    LikelihoodDisplacementMonitor,
-    PairLogps,
-    PreferenceLoss,
-    precompute_reference,
-    reference_pair_logps,
-    sequence_logprobs,
-)
-from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay, resolve_warmup
-from ftlib.train import (
-    ResumeError,
-    add_data_flags,
-    add_eval_flags,
-    add_loop_flags,
-    add_model_flags,
-    add_output_flags,
-    check_output_flags,
-    copy_tokenizer_files,
-    cpu_threads,
-    open_loggers,
-    parse_with_config,
-    pick_precision,
-    plan_steps,
-    resume_train_state,
-    run_extra,
-    run_settings,
-    save_merged,
-    write_run_manifest,
-)
-
-# What a resume compares with the checkpoint's run (ftlib.train.resume): a change is refused unless
-# --override names it; FIXED ones cannot be overridden. batch_size x grad_accum x ranks: the global batch.
-SETTINGS = ("model", "sft_adapter", "kind", "chat_template", "max_length", "max_prompt_length", "seq_len",
-            "batch_size", "grad_accum", "epochs", "max_steps", "lr", "lora_plus", "weight_decay", "warmup_ratio",
-            "schedule", "clip", "loss", "beta", "label_smoothing", "gamma", "length_normalize", "rpo_alpha",
-            "dpop_lambda", "reference", "lenient", "messages_field", "prompt_field", "system_field", "turn_end",
-            "margin_filter", "filter_start", "filter_decay", "filter_every", "filter_floor", "lora_r", "lora_alpha",
-            "lora_dropout", "targets", "rslora", "dora", "qlora", "seed")
-FIXED = ("model", "sft_adapter", "kind", "chat_template", "max_length", "max_prompt_length", "seq_len", "lora_r",
-         "lora_alpha", "targets", "rslora", "dora", "seed", "precision", "reference", "data_fingerprint",
-         "messages_field", "prompt_field", "system_field", "turn_end")
-
-DEFAULTS = {"max_length": 1024, "batch_size": 2, "grad_accum": 8, "epochs": 1, "lr": 5e-6, "beta": 0.1,
-            "rpo_alpha": None}
-DEMO_DEFAULTS = {"max_length": 64, "batch_size": 4, "grad_accum": 1, "epochs": 2, "lr": 1e-3, "beta": 0.5,
-                 "rpo_alpha": 1.0}
-DEMO_SFT_STEPS = 125  # the demo SFT adapter (r 64, alpha 256): the answer format and part of the task (held-out
-# exact match about 0.5; at 150+ steps it nears 1 and DPO has little left to fix)
-
-
-# shared flags (ftlib.train.cli) this script does not implement: refused when set (value: their unset default)
-NOT_HERE = {"eval_split": 0.0, "early_stop": 0, "sample_every": 0, "compile": False, "text_field": "text",
-            "response_field": "response", "loss_on": "assistant"}
-
-
-def build_parser() -> FlagParser:
-    p = FlagParser(description=__doc__.split("\n")[0])
-    # the flags every ftlib script shares (ftlib.train.cli); pairs are chat or text records
-    add_model_flags(p)
-    add_data_flags(p, kinds=("chat", "text"))
-    add_loop_flags(p)
-    add_eval_flags(p)
-    add_output_flags(p)
-    p.set_defaults(warmup_ratio=0.1, log_every=10)
-    for a in p._actions:  # here held-out evals during training are off unless asked for (before/after: always)
-        if a.dest == "eval_every":
-            a.help = "steps between held-out evals during training (default: off; before and after always run)"
-    g = p.add_argument_group("preference optimization")
-    g.add_argument("--sft-adapter", help="PEFT adapter merged into the base first (the SFT model = the reference)")
-    g.add_argument("--max-length", type=whole(1), default=None, help="prompt + one response, in tokens (1024; demo 64)")
-    g.add_argument("--max-prompt-length", type=whole(1), default=None, help="cap on the prompt (default: none)")
-    g.add_argument("--seq-len", type=whole(1), default=None, help="packed row length (default 2 x --max-length)")
-    g.add_argument("--lora-plus", type=number(0, above=True), default=None, help="LoRA+ ratio: lr of B = ratio * lr")
-    g.add_argument("--loss", choices=LOSS_KINDS, default="sigmoid")
-    g.add_argument("--beta", type=float, default=None,
-                   help="beta (0.1; demo 0.5); for orpo the weight lambda of the odds term")
-    g.add_argument("--label-smoothing", type=float, default=0.0, help="sigmoid/simpo: conservative DPO; robust: noise rate")
-    g.add_argument("--gamma", type=float, default=0.5, help="SimPO target margin")
-    g.add_argument("--length-normalize", action=argparse.BooleanOptionalAction, default=None,
-                   help="mean instead of summed response log-probs (default: per loss; always for simpo/orpo)")
-    g.add_argument("--rpo-alpha", type=float, default=None,
-                   help="RPO: add alpha x the chosen response's NLL per token (TRL's rpo_alpha; default off; demo 1)")
-    g.add_argument("--dpop-lambda", type=float, default=0.0,
-                   help="DPOP: lambda x max(0, ref - policy chosen log-prob) subtracted from the margin (0: off)")
-    g.add_argument("--displacement-window", type=int, default=50,
-                   help="steps over which falling chosen log-probs with a growing margin raise a warning")
-    g.add_argument("--reference", choices=["precompute", "adapters-off"], default="precompute",
-                   help="precompute: reference log-probs once into the pair cache; adapters-off: a no-grad pass per step")
-    g.add_argument("--margin-filter", action="store_true",
-                   help="keep pairs whose z-scored reward margin exceeds a decaying threshold (needs rewards)")
-    g.add_argument("--filter-start", type=float, default=0.3)
-    g.add_argument("--filter-decay", type=float, default=0.95)
-    g.add_argument("--filter-every", type=int, default=100, help="optimizer steps between threshold decays")
-    g.add_argument("--filter-floor", type=float, default=0.05)
-    g.add_argument("--eval-generate", type=whole(0), default=64, help="held-out prompts to generate for exact match (0: off)")
-    g = p.add_argument_group("adapter")
-    g.add_argument("--lora-r", type=whole(1), default=16)
-    g.add_argument("--lora-alpha", type=number(0, above=True), default=32.0)
-    g.add_argument("--lora-dropout", type=number(0, 1, below=True), default=0.0,
-                   help="default 0: dropout would make the policy log-probs noisy against the dropout-free reference")
-    g.add_argument("--targets", default="all-linear", help="'all-linear' or comma-separated module names")
-    g.add_argument("--rslora", action="store_true")
-    g.add_argument("--dora", action="store_true")
-    g.add_argument("--qlora", action="store_true", help="NF4 base weights (double-quantized absmax)")
-    g.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on every block")
-    g = p.add_argument_group("this script")
-    g.add_argument("--save-merged", action="store_true", help="also write a merged bf16 HF checkpoint")
-    g.add_argument("--demo", action="store_true", help="tiny model + pairs built on the fly, SFT first")
-    g.add_argument("--demo-prompts", type=int, default=600,
-                   help="--demo: SFT training prompts answered by the SFT model for on-policy pairs")
-    g.add_argument("--demo-samples", type=int, default=4, help="--demo: sampled answers per prompt (besides greedy)")
-    g.add_argument("--demo-sft-steps", type=int, default=DEMO_SFT_STEPS, help="--demo: SFT steps before DPO")
-    return p
+from ftlib.preference import PairLogps, PairPolicy, PreferenceLoss, precompute_reference, reference_pair_logps
+from ftlib.sched import LRScheduler, WarmupDecay
+from ftlib.train import plan_steps
+from ftlib.train.demo import dpo_demo_pairs, dpo_demo_setup
 
 
 def parse_args(argv=None):
-    p = build_parser()
-    args = parse_with_config(p, argv)  # --config FILE under the flags
-    if not args.out:
-        p.error("--out is required (the run's folder)")
-    for k, v in (DEMO_DEFAULTS if args.demo else DEFAULTS).items():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="HF folder or hub id: the starting (and reference) model")
+    p.add_argument("--data", nargs="+", help="training pairs (JSONL files or folders)")
+    p.add_argument("--eval-data", nargs="+", help="held-out pairs")
+    p.add_argument("--out", required=True)
+    p.add_argument("--demo", action="store_true", help="tiny demo model, SFT first, pairs from its own answers")
+    p.add_argument("--beta", type=float, default=None, help="DPO's beta (0.1; demo 0.5)")
+    p.add_argument("--rpo-alpha", type=float, default=None, help="weight of the chosen side's NLL (off; demo 1)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (5e-6; demo 1e-3)")
+    p.add_argument("--batch-size", type=int, default=4, help="packed rows per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    p.add_argument("--save-every", type=int, default=50, help="steps between held-out evals and checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not args.demo and not (args.model and args.data):
+        p.error("--model and --data are required (or --demo)")
+    for k, (real, demo) in {"beta": (0.1, 0.5), "rpo_alpha": (None, 1.0), "lr": (5e-6, 1e-3)}.items():
         if getattr(args, k) is None:
-            setattr(args, k, v)
-    args.seq_len = args.seq_len or 2 * args.max_length
-    if not args.demo and (args.model is None or args.data is None):
-        p.error("--model and --data are required (or use --demo)")
-    for k, unset in NOT_HERE.items():
-        if getattr(args, k) != unset:
-            p.error(f"--{k.replace('_', '-')} is not available in dpo.py")
-    if args.eval_every and not args.eval_data:
-        p.error("--eval-every evaluates the held-out pairs: pass --eval-data FILE")
-    check_output_flags(p, args)
+            setattr(args, k, demo if args.demo else real)
     return args
-
-
-def usage_error(msg: str):
-    """A user error found after parsing: one line on stderr, exit 2 (as argparse does)."""
-    build_parser().error(msg)
-
-
-def demo_setup(args, out: Path) -> None:
-    """Demo assets, a short SFT run (unless --sft-adapter is given) and the held-out pairs.
-
-    Held out: one pair for each of the demo's 64 held-out word lists, prompts that no SFT training
-    record contains (``heldout_pairs``); each carries a checkable score (``reward_chosen`` 0,
-    ``reward_rejected`` minus the number of misplaced words). The training pairs are built later,
-    on-policy, from the SFT model (``demo_onpolicy_pairs``).
-    """
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from ftlib.train.demo import heldout_pairs, make_demo_assets, pair_score
-
-    make_demo_assets(out / "demo")
-    args.model = str(out / "demo" / "base")
-    pairs_dir = out / "demo" / "pairs"
-    if not (pairs_dir / "eval.jsonl").exists():
-        recs = heldout_pairs(seed=args.seed)
-        for r in recs:
-            prompt = r["messages"][-1]["content"]
-            r["reward_chosen"], r["reward_rejected"] = pair_score(prompt, r["chosen"]), pair_score(prompt, r["rejected"])
-        write_pairs(recs, pairs_dir / "eval.jsonl")
-    args.data, args.eval_data = [str(pairs_dir / "train.jsonl")], [str(pairs_dir / "eval.jsonl")]
-    if args.sft_adapter is None:
-        sft_out = out / "sft"
-        if not (sft_out / "adapter" / "adapter_config.json").exists():
-            print(f"== SFT first: {args.demo_sft_steps} steps of finetune_lora.py on the demo chat data", flush=True)
-            # the SFT recipe as its own process (one process: no torchrun variables), this ftlib first on the path
-            env = {k: v for k, v in os.environ.items()
-                   if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-            env["PYTHONPATH"] = os.pathsep.join([str(Path(ftlib.__file__).resolve().parents[1]),
-                                                 *filter(None, [env.get("PYTHONPATH")])])
-            subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "finetune_lora.py"),
-                            "--model", args.model, "--data", str(out / "demo" / "data"), "--out", str(sft_out),
-                            "--seq-len", "256", "--batch-size", "4", "--grad-accum", "1", "--lr", "2e-3",
-                            "--lora-r", "64", "--lora-alpha", "256", "--epochs", "3",
-                            "--max-steps", str(args.demo_sft_steps), "--log-every", "25", "--num-proc", "1",
-                            "--num-workers", "0", "--seed", str(args.seed), "--threads", str(torch.get_num_threads())],
-                           check=True, env=env)
-        args.sft_adapter = str(sft_out / "adapter")
-
-
-def demo_onpolicy_pairs(model, tok, template: str, out: Path, args, log) -> None:
-    """The demo's training pairs, on-policy: the SFT model answers ``--demo-prompts`` of its own training
-    prompts (greedy + ``--demo-samples`` samples), the checker scores the answers, and each prompt's best
-    answer (or the right one, when the model never found it) is preferred to its mistakes."""
-    from ftlib.train.demo import heldout_records, pair_score
-
-    path = Path(args.data[0])
-    if path.exists():
-        return
-    recs = [json.loads(line) for line in (out / "demo" / "data" / "train.jsonl").read_text().splitlines()]
-    prompts, answers = zip(*(split_last_answer(r["messages"]) for r in recs[: args.demo_prompts]))
-    checker = lambda ps, ans: [pair_score(p[-1]["content"], a) for p, a in zip(ps, ans)]
-    stop = [t for t in (tok.eos_token_id, tok.tokenizer.token_to_id("<|im_end|>")) if t is not None]
-    built = build_onpolicy_pairs(model, tok, list(prompts), checker, chat_template=template, references=list(answers),
-                                 exclude=[r["messages"][:-1] for r in heldout_records()], stop_tokens=stop,
-                                 config=OnPolicyConfig(samples=args.demo_samples, temperature=1.0, max_new_tokens=24,
-                                                       seed=args.seed))
-    write_pairs(built.records, path)
-    st = built.stats
-    log(f"on-policy pairs: {st.pairs} from {st.prompts} training prompts (greedy answer already best on "
-        f"{st.greedy_best}; {st.reference_chosen} pairs prefer the reference answer; {st.no_pair} prompts "
-        f"without a mistake; {st.empty_answers} empty and {st.repeated_answers} repeated answers dropped)")
 
 
 def main(argv=None):
     args = parse_args(argv)
-    env = init_distributed()  # one process without torchrun
+    env = init_distributed()  # torchrun: one process per GPU; plain python: rank 0 of 1
     rank, world, device = env.rank, env.world_size, env.device
     torch.manual_seed(args.seed + rank)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        precision = pick_precision(args.precision, device)
-    except FlagError as e:
-        usage_error(str(e))
-    log = print if rank == 0 else (lambda *a, **k: None)
-    if device.type == "cpu":  # the usable cores less the loader workers, at most 8 (ftlib.train.cpu_threads)
-        try:
-            args.threads = 1 if args.demo and args.threads is None else cpu_threads(args.threads,
-                                                                                    num_workers=args.num_workers)
-        except FlagError as e:
-            usage_error(str(e))
-        torch.set_num_threads(args.threads)
-    if args.demo:
-        if rank == 0:
-            demo_setup(args, out)
-        if world > 1:
-            torch.distributed.barrier()
-        if rank != 0:
-            demo_setup(args, out)  # files exist now: only sets the paths
+    out, sft = Path(args.out), None
+    log = print if rank == 0 else (lambda *a: None)
+    barrier = torch.distributed.barrier if world > 1 else (lambda: None)
+    if args.demo:  # ftlib/train/demo.py: demo model, held-out pairs, a short SFT run (rank 0 makes the files)
+        if device.type == "cpu":
+            torch.set_num_threads(1)  # a 2-layer model: more threads cost CPU time, not wall time
+        demo = dpo_demo_setup(out, seed=args.seed) if rank == 0 else None
+        barrier()
+        demo = demo or dpo_demo_setup(out, seed=args.seed)  # the files exist now: only the paths
+        args.model, args.data, args.eval_data, sft = demo["model"], [demo["train"]], [demo["eval"]], demo["sft_adapter"]
 
-    # 1. the starting model: base (+ SFT adapter merged). It is also the reference model.
-    load_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = load_pretrained(args.model, dtype=load_dtype, device=device)
+    # 1. the starting model (+ the SFT adapter merged in): the reference; 2. LoRA adapters on it
+    model = load_pretrained(args.model, dtype=torch.float32, device=device)
+    if sft:
+        model = merge_and_unload(load_adapter(model, sft, check_base=False), dtype=torch.float32)
     tok = load_tokenizer(args.model)
-    if args.sft_adapter:
-        model = merge_and_unload(load_adapter(model, args.sft_adapter, check_base=False), dtype=load_dtype)
-        log(f"merged SFT adapter {args.sft_adapter}")
-    # the chat template: --chat-template, else the tokenizer's; none is refused (no silent ChatML)
-    resolved = None
-    if args.kind == "chat":
-        try:
-            resolved = resolve_chat_template(args.chat_template, tokenizer=tok)
-        except (OSError, ValueError) as e:
-            usage_error(f"--chat-template: {e}" if args.chat_template else f"--kind chat: {e}")
-        log(f"chat template: {resolved.source}")
-    template = resolved.text if resolved is not None else None
-    if args.demo:  # the training pairs come from this model's own answers
-        if rank == 0:
-            demo_onpolicy_pairs(model, tok, template, out, args, log)
-        if world > 1:
-            torch.distributed.barrier()
-    if args.grad_ckpt:
-        model.set_gradient_checkpointing(every=1, part="block")
+    stop = [t for t in (tok.eos_token_id, tok.tokenizer.token_to_id("<|im_end|>")) if t is not None]
+    if args.demo and rank == 0:  # the demo's training pairs: the SFT model's own answers, scored
+        dpo_demo_pairs(model, tok, tok.chat_template, out, args.data[0], seed=args.seed, stop_tokens=stop)
+    barrier()
+    apply_lora(model, LoRAConfig(r=16, alpha=32, target_modules="all-linear"), verbose=False)
 
-    # 2. adapters: the policy is base + adapter; with the adapter disabled it is the reference.
-    targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
-    lcfg = LoRAConfig(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, target_modules=targets,
-                      use_rslora=args.rslora, use_dora=args.dora, quantize="nf4" if args.qlora else None,
-                      double_quant=args.qlora)
-    apply_lora(model, lcfg, verbose=False)
-    model.to(device)
-    log(f"trainable parameters: {count_params(model)}")
-    opt = TrainOptimizer(make_adamw(param_groups(model, lr=args.lr, weight_decay=args.weight_decay,
-                                                 lora_plus_ratio=args.lora_plus), lr=args.lr,
-                                    weight_decay=args.weight_decay), precision=precision)
-
-    # 3. pairs: tokenized once into a pair cache; both sides of a pair packed into the same row.
-    # chat: the template writes BOS if the model wants one; text: BOS first when the tokenizer has one
-    pcfg = PairConfig(kind=args.kind, chat_template=template, messages_field=args.messages_field,
-                      prompt_field=args.prompt_field, system_field=args.system_field, turn_end=args.turn_end,
-                      eos_token=tok.eos_token, bos_token=tok.bos_token, max_length=args.max_length,
-                      add_bos=args.kind == "text" and tok.bos_token is not None,
-                      max_prompt_length=args.max_prompt_length)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    # 3. pairs -> pair caches (tokenized once); the reference log-probs computed once into them
+    max_length = 64 if args.demo else 1024  # prompt + one response; both sides of a pair share a row
+    pcfg = PairConfig(kind="chat", chat_template=tok.chat_template, eos_token=tok.eos_token,
+                      bos_token=tok.bos_token, max_length=max_length)
+    pad_id = tok.pad_id
     caches = {}
     for split, src in (("train", args.data), ("eval", args.eval_data)):
-        if not src:
-            continue
-        flag = "--data" if split == "train" else "--eval-data"
-        try:  # strict: the first bad record stops the run, naming it; --lenient: skipped and counted
-            if rank == 0:
-                build_pair_cache(src, tok.tokenizer, pcfg, str(out / f"cache_{split}"), num_proc=args.num_proc,
-                                 progress=False, strict=not args.lenient)
-            if world > 1:
-                torch.distributed.barrier()
-            caches[split] = build_pair_cache(src, tok.tokenizer, pcfg, str(out / f"cache_{split}"), num_proc=1,
-                                             progress=False, strict=not args.lenient)
-        except DataError as e:
-            usage_error(data_error_message(flag, e, args.lenient))
-        except (OSError, ValueError) as e:
-            usage_error(f"{flag}: {e}")
-        c = caches[split]
-        log(f"{split} pairs: {len(c)} ({c.n_truncated} truncated; {c.report})")
-    reports = {k: c.report for k, c in caches.items()}
-    if rank == 0 and any(r.total for r in reports.values()):  # every skip, where the run's other files are
-        (out / "skipped.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=1) + "\n")
+        if src:
+            if rank == 0:  # one process tokenizes, the others open the cache it wrote
+                build_pair_cache(src, tok.tokenizer, pcfg, str(out / f"cache_{split}"), progress=False)
+            barrier()
+            caches[split] = build_pair_cache(src, tok.tokenizer, pcfg, str(out / f"cache_{split}"), progress=False)
+    loss_fn = PreferenceLoss("sigmoid", beta=args.beta, rpo_alpha=args.rpo_alpha)
+    for c in caches.values():  # adapters disabled: the starting model exactly; every rank its share
+        precompute_reference(model, c, "start", pad_id=pad_id, seq_len=2 * max_length, device=device, progress=False)
+    loader = PairLoader(caches["train"], batch_size=args.batch_size, seq_len=2 * max_length, pad_id=pad_id,
+                        seed=args.seed, trim_padding=device.type == "cpu")  # sharded by rank
+    plan = plan_steps(len(loader), grad_accum=args.grad_accum, epochs=args.epochs, max_steps=args.max_steps)
 
-    data_fp = hashlib.sha256(json.dumps({k: c.fingerprint() for k, c in caches.items()}, sort_keys=True).encode()).hexdigest()
-    try:
-        loss_fn = PreferenceLoss(args.loss, beta=args.beta, label_smoothing=args.label_smoothing, gamma=args.gamma,
-                                 length_normalize=args.length_normalize, rpo_alpha=args.rpo_alpha,
-                                 dpop_lambda=args.dpop_lambda)
-    except ValueError as e:
-        usage_error(str(e))
-    # 4. reference log-probs, once, into the caches (adapters disabled: the starting model exactly).
-    ref_name = "start"
-    if loss_fn.needs_reference and args.reference == "precompute":
-        for c in caches.values():  # every rank takes its share of the pairs
-            precompute_reference(model, c, ref_name, pad_id=pad_id, seq_len=args.seq_len, batch_size=args.batch_size,
-                                 autocast=opt.autocast, device=device, description=f"{args.model} "
-                                 f"+ {args.sft_adapter or 'no SFT adapter'}", progress=False)
-        log("reference log-probs precomputed into the pair caches")
+    # 4. optimizer, clipper, schedule; the DDP-wrapped policy; the held-out numbers
+    params = list(trainable_params(model).values())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    sched = LRScheduler(opt, WarmupDecay(plan.total, warmup_ratio=0.1, min_lr_ratio=0.1))
+    clipper = GlobalNormClipper(1.0)
+    policy = wrap_ddp(PairPolicy(model)) if world > 1 else PairPolicy(model)
+    autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
 
-    loader = PairLoader(caches["train"], batch_size=args.batch_size, seq_len=args.seq_len, pad_id=pad_id,
-                        seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda",
-                        trim_padding=device.type == "cpu")  # eager CPU steps: no compute on the rows' padding
-    log(f"train: {len(loader)} micro-batches/epoch/rank, packing {loader.pack_stats}")
-    mfilter = None
-    if args.margin_filter:
-        if not torch.isfinite(torch.from_numpy(caches["train"].effective_margin)).any():
-            usage_error("--margin-filter needs reward_chosen/reward_rejected or margin in the pairs; none has them")
-        mfilter = MarginFilter(args.filter_start, args.filter_decay, args.filter_every, args.filter_floor, pad_id=pad_id)
+    def held_out() -> dict | None:  # reward accuracy and margin of the held-out pairs, exact match of greedy answers
+        if "eval" not in caches or rank != 0:
+            return None
+        m = pair_metrics(model, caches["eval"], loss_fn=loss_fn, pad_id=pad_id, seq_len=2 * max_length,
+                         device=device, autocast=autocast)
+        return m | pair_exact_match(model, tok, args.eval_data, pcfg, limit=64, stop_tokens=stop, device=device)
 
-    train_model = PolicyLogps(model)
-    if world > 1:
-        train_model = wrap_ddp(train_model)
-    try:
-        plan = plan_steps(len(loader), grad_accum=args.grad_accum, epochs=args.epochs, max_steps=args.max_steps)
-    except ValueError as e:
-        usage_error(f"{e}: more pairs, or a smaller --batch-size / --grad-accum")
-    steps_per_epoch, total = plan.steps_per_epoch, plan.total
-    warmup = resolve_warmup(total, warmup_ratio=args.warmup_ratio)
-    if args.schedule == "plateau":
-        schedule = PlateauCosine(total=total, warmup=warmup, min_lr_ratio=0.1)
-    else:
-        schedule = WarmupDecay(total=total, warmup=warmup, decay=args.schedule, min_lr_ratio=0.1)
-    sched = LRScheduler(opt.optimizer, schedule)
-    clipper = GlobalNormClipper(args.clip)
-
-    # checkpoints and resume (ftlib.train): weights, optimizer, schedule, clipper, loader position, RNG;
-    # the settings are compared with the saved run's. The margin filter's counts and the log so far
-    # ride in the checkpoint's extra state.
-    save_every = args.save_every if args.save_every is not None else max(1, total // 10)
-    settings = run_settings(vars(args), SETTINGS, out=out) | {"chat_template": template, "precision": precision,
-                                                              "data_fingerprint": data_fp}
-    try:
-        resumed = resume_train_state(out / "checkpoints", resume=args.resume, settings=settings,
-                                     overrides=args.override, fixed=FIXED, plan=plan, seed=args.seed, log=log,
-                                     model=model, optimizer=opt, scheduler=sched, clipper=clipper, loader=loader)
-    except ResumeError as e:
-        raise SystemExit(str(e)) from None
-    step, extra = resumed.step, resumed.extra
-    if rank == 0:
-        write_run_manifest(out, vars(args), device=device, world_size=world, data_fingerprint=data_fp, resume=resumed,
-                           extra={"chat_template": {"text": resolved.text, "source": resolved.source}
-                                  if resolved is not None else None,
-                                  "skipped": {k: r.to_dict() for k, r in reports.items()}})
-    loggers = open_loggers(args.report_to if rank == 0 else [], out=out, config=vars(args), start_step=step,
-                           run_name=out.name)
-    tokens_seen, logs = extra.get("tokens_seen", 0), extra.get("logs", [])
-    if mfilter is not None and "filter" in extra:
-        mfilter.load_state_dict(extra["filter"])
-    monitor = LikelihoodDisplacementMonitor(window=args.displacement_window, warn=False)  # printed below
-    if "displacement" in extra:
-        monitor.load_state_dict(extra["displacement"])
-    ckpt = Checkpointer(out / "checkpoints", keep=args.keep) if rank == 0 else None
-
-    eval_kw = dict(loss_fn=loss_fn, pad_id=pad_id, seq_len=args.seq_len, device=device, autocast=opt.autocast)
-    before, before_file = None, out / "eval_before.json"
-    if "eval" in caches and rank == 0:
-        if step == 0:  # the starting model (a fresh adapter changes nothing)
-            before = evaluate(model, caches["eval"], **eval_kw)
-            before.update(exact_match(model, tok, args.eval_data, pcfg, template, device, args.eval_generate))
-            before_file.write_text(json.dumps(before) + "\n")
-            log("held-out before DPO: " + _fmt(before))
-        elif before_file.exists():
-            before = json.loads(before_file.read_text())
-
-    # 5. the loop: one iteration = one optimizer step over grad_accum micro-batches.
-    # Rates: real tokens (both sides of every pair, the prompt once per side, no padding: bench_dpo's unit)
-    # and response tokens (the labels, about half of them), per second after this process's first step,
-    # whose one-off costs (the DataLoader start, first-touch allocations) are logged as first_step_s.
-    t0 = time.perf_counter()
-    real_tokens, t_first, first_step_s = 0, None, None
-    train_model.train()
-    while step < total:
-        epoch, window = divmod(step, steps_per_epoch)
-        loader.set_epoch(epoch)  # mid-epoch after a resume: the loader state says where
-        it = iter(loader)
-        for _ in range(window, steps_per_epoch):
-            stats = []
+    # 5. the loop: resume from the newest checkpoint, then one iteration = one optimizer step
+    ckpt = Checkpointer(out / "checkpoints", keep=2) if rank == 0 else None
+    step, logs, before = 0, [], None
+    if args.resume and (last := latest_checkpoint(out / "checkpoints")) is not None:
+        state = load_checkpoint(last, model=model, optimizer=opt, scheduler=sched, clipper=clipper, loader=loader)
+        step, logs, before = state.step, state.extra["logs"], state.extra["before"]
+        log(f"resumed from {last} at step {step}")
+    if step == 0:
+        before = held_out()  # the starting model (a fresh adapter changes nothing)
+    model.train()
+    while step < plan.total:
+        epoch, consumed = plan.position(step)
+        loader.set_epoch(epoch)  # after a resume the loader's state says where in the epoch it stopped
+        batches = iter(loader)
+        for _ in range(consumed // args.grad_accum, plan.steps_per_epoch):
+            t0, tokens, stats = time.perf_counter(), 0, []
             for micro in range(args.grad_accum):
-                batch = next(it)
-                if mfilter is not None:
-                    batch = mfilter(batch, step)
-                tokens_seen += int((batch["labels"] != -100).sum())
-                real_tokens += pair_tokens(batch)
-                batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
-                ref = None
-                if loss_fn.needs_reference:  # precomputed values ride in the batch, else a no-grad pass
-                    ref = reference_pair_logps(model, batch, autocast=opt.autocast)
-                last = micro == args.grad_accum - 1
-                sync = opt.grad_sync(train_model, enabled=last) if world > 1 else nullcontext()
+                batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in next(batches).items()}
+                tokens += pair_tokens(batch)  # both sequences of every pair, no padding
+                # DDP: the gradients are all-reduced once per step, on the last micro-batch
+                sync = policy.no_sync() if world > 1 and micro < args.grad_accum - 1 else nullcontext()
                 with sync:
-                    with opt.autocast():
-                        policy = PairLogps(*train_model(batch))
-                    res = loss_fn(policy, ref)
-                    opt.backward(res.losses.sum(), res.losses.numel())  # per-pair losses, mean over the window
-                stats.append(res.stats())
-            result = opt.step(clipper)
-            sched.step(1, loss=result.loss)
+                    with autocast():
+                        logps = PairLogps(*policy(batch))  # chosen / rejected response log-probs, [P] each
+                    ref = reference_pair_logps(model, batch)  # precomputed: it rides in the batch
+                    res = loss_fn(logps, ref)  # -log sigmoid(beta (margin of log-ratios)) + RPO's NLL
+                    (res.losses.sum() / max(1, res.losses.numel()) / args.grad_accum).backward()
+                stats += [res.stats()] if res.losses.numel() else []
+            grad_norm = float(clipper(params).norm_before)  # clipped to norm 1 in place; the norm before
+            if math.isfinite(grad_norm):
+                opt.step()
+            else:  # a bad batch: the update is skipped rather than poisoning the weights
+                log(f"step {step + 1}: gradient norm {grad_norm}, update skipped")
+            sched.step()
+            opt.zero_grad(set_to_none=True)
             step += 1
-            # every step: TRL's names, pair-weighted over the window's micro-batches
-            rec = {"step": step, "loss": round(result.loss, 4),
-                   **{k: round(_pair_mean(stats, k), 4) for k in sorted({k for st in stats for k in st})
-                      if "/" in k or k == "nll_loss"},
-                   "lr": sched.get_last_lr()[0], "grad_norm": round(result.grad_norm, 4), "skipped": opt.skipped_steps}
-            if mfilter is not None:
-                rec["filter"] = dict(mfilter.counts, threshold=round(mfilter.threshold(step), 4))
+            keys = ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
+            rec = {"step": step, "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
+                   **{k: sum(s[k] for s in stats) / max(1, len(stats)) for k in keys},
+                   "tokens_per_s": round(tokens * world / (time.perf_counter() - t0), 1)}
             logs.append(rec)
-            loggers.log(rec)
-            if args.eval_every and rank == 0 and "eval" in caches and step % args.eval_every == 0:
-                ev = evaluate(model, caches["eval"], **eval_kw)
-                loggers.log({"step": step, "kind": "eval", **ev})
-                log(f"held-out at step {step}: " + _fmt(ev))
-            if "logps/chosen" in rec and (msg := monitor.update(rec)):
-                log(f"WARNING step {step}: {msg}")
-            now = time.perf_counter()
-            if t_first is None:  # the rate window starts after this process's first step
-                t_first, first_step_s, real_tokens, tokens_seen_0 = now, now - t0, 0, tokens_seen
-            if step % args.log_every == 0 or step == total:
-                rates = {}
-                if first_step_s is not None:  # on the first line logged
-                    rates["first_step_s"], first_step_s = round(first_step_s, 3), None
-                if now > t_first:
-                    rates |= {"tokens_per_s": round(real_tokens / (now - t_first), 1),
-                              "response_tokens_per_s": round((tokens_seen - tokens_seen_0) / (now - t_first), 1)}
-                log(json.dumps(rec | rates))
-            if ckpt is not None and ((save_every and step % save_every == 0) or step == total):
-                extra = {**run_extra(settings, loader), "tokens_seen": tokens_seen, "logs": logs,
-                         "displacement": monitor.state_dict()}
-                if mfilter is not None:
-                    extra["filter"] = mfilter.state_dict()
-                ckpt.save(step, model=model, optimizer=opt, scheduler=sched, clipper=clipper, loader=loader,
-                          base_model_name_or_path=args.model, extra=extra)
-            if step >= total:
+            if step % 10 == 0 or step == plan.total:
+                log(json.dumps(rec))
+            if step % args.save_every == 0 or step == plan.total:
+                if (m := held_out()) is not None and step < plan.total:
+                    log(f"held-out at step {step}: {json.dumps({k: v for k, v in m.items() if k != 'examples'})}")
+                if ckpt is not None:  # weights, optimizer, schedule, clipper, loader position, RNG, the log
+                    ckpt.save(step, model=model, optimizer=opt, scheduler=sched, clipper=clipper, loader=loader,
+                              extra={"logs": logs, "before": before}, base_model_name_or_path=args.model)
+            if step >= plan.total:
                 break
-    loggers.close()
-    if ckpt is not None:
-        ckpt.close()  # waits for the last background write
-        for folder in sorted((out / "checkpoints").glob("step-*")):  # each adapter with the template it trained with
-            if folder.is_dir():
-                copy_tokenizer_files(args.model, folder, chat_template=template)
-    if world > 1:
-        torch.distributed.barrier()
 
-    # 6. held-out numbers after, and the adapter.
+    # 6. held-out numbers before and after, and the adapter (PEFT format)
     after = None
     if rank == 0:
-        if "eval" in caches:
-            after = evaluate(model, caches["eval"], **eval_kw)
-            after.update(exact_match(model, tok, args.eval_data, pcfg, template, device, args.eval_generate))
-            log(results_table(before, after))
-        adapter_dir = save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
-        copy_tokenizer_files(args.model, adapter_dir, chat_template=template)
-        (out / "train_log.json").write_text(json.dumps({"log": logs, "eval_before": before, "eval_after": after},
-                                                       indent=1))
-        log(f"adapter saved to {adapter_dir}" + (" (on the SFT-merged base)" if args.sft_adapter else ""))
-        if args.save_merged:
-            save_merged(model, out / "merged", tokenizer_from=args.model, dtype=torch.bfloat16, chat_template=template)
-            log(f"merged checkpoint saved to {out / 'merged'}")
+        ckpt.close()
+        if (after := held_out()) is not None:
+            log(pair_metrics_table(before, after))
+        save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
+        (out / "train_log.json").write_text(json.dumps({"log": logs, "before": before, "after": after}, indent=1))
     if world > 1:
         torch.distributed.destroy_process_group()
-    return model, {"log": logs, "before": before, "after": after}
-
-
-class PolicyLogps(torch.nn.Module):
-    """batch -> (chosen, rejected, chosen_n, rejected_n) policy log-probs; the module DDP wraps."""
-
-    KEYS = ("position_ids", "cu_seqlens", "max_seqlen", "attention_mask")
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch):
-        hidden = self.model.model(batch["input_ids"], **{k: batch[k] for k in self.KEYS if k in batch})
-        seq = sequence_logprobs(hidden, head_weight(self.model.lm_head), batch["labels"], cu_seqlens=batch.get("cu_seqlens"))
-        ci, ri = batch["chosen_index"], batch["rejected_index"]
-        return seq.sum[ci], seq.sum[ri], seq.count[ci], seq.count[ri]
-
-
-@torch.no_grad()
-def evaluate(model, cache, *, loss_fn, pad_id, seq_len, device, autocast) -> dict:
-    """Held-out pairs: reward accuracy and margin (policy vs reference) and how often the policy
-    gives the chosen response the higher log-prob (length-normalised as the loss is)."""
-    was_training = model.training
-    model.eval()
-    loader = PairLoader(cache, batch_size=1, seq_len=seq_len, pad_id=pad_id, shuffle=False, drop_last=False,
-                        rank=0, world_size=1)  # rank 0 evaluates every held-out pair
-    acc = margin = pref = n = 0.0
-    for batch in loader:
-        batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
-        with autocast():
-            policy = PairLogps(*PolicyLogps(model)(batch))
-        ref = reference_pair_logps(model, batch, autocast=autocast) if loss_fn.needs_reference else None
-        res = loss_fn(policy, ref)
-        pc, pr = policy.values(loss_fn.normalize)
-        acc += float(res.accuracies.sum())
-        margin += float(res.margins.sum())
-        pref += float((pc > pr).sum())
-        n += res.losses.numel()
-    model.train(was_training)
-    return {"pairs": int(n), "reward_accuracy": acc / n, "reward_margin": margin / n, "logp_accuracy": pref / n}
-
-
-def exact_match(model, tok, eval_data, pcfg, template, device, limit: int) -> dict:
-    """Greedy generations for up to ``limit`` distinct held-out prompts vs their chosen answers
-    (``ftlib.evaluation.exact_match``)."""
-    if not limit or pcfg.kind != "chat":
-        return {}
-    fmt, report = PairFormatter(tok.tokenizer, pcfg), SkipReport(strict=False)
-    seen, items = set(), []
-    for rec, where in iter_records(eval_data, SkipReport(strict=False)):
-        conv = fmt.conversation(rec, where, report)
-        if conv is None or len(conv[1]) != 1:
-            continue  # exact match is defined for one-turn answers
-        prompt = render_chat(conv[0], template, add_generation_prompt=True, bos_token=tok.bos_token or "",
-                             eos_token=tok.eos_token or "")
-        if prompt not in seen:
-            seen.add(prompt)
-            items.append((prompt, conv[1][0]["content"].strip()))
-        if len(items) >= limit:
-            break
-    if not items:
-        return {}
-    stop = [t for t in (tok.eos_token_id, tok.tokenizer.token_to_id("<|im_end|>")) if t is not None]
-    longest = max(len(tok.encode(a, add_special_tokens=False)) for _, a in items)
-    em = greedy_exact_match(model, tok, [p for p, _ in items], [a for _, a in items], max_new_tokens=longest + 4,
-                            batch_size=16, stop_tokens=stop, device=device)
-    examples = [f"{r!r} -> {p!r}" for p, r in zip(em.predictions[:3], em.references[:3])]
-    return {"exact_match": em.accuracy, "generated": em.total, "examples": examples}
-
-
-def _pair_mean(stats: list[dict], key: str) -> float:
-    """Pair-weighted mean of ``key`` over the micro-batches' ``PreferenceOutput.stats()``."""
-    n = sum(s["n_pairs"] for s in stats)
-    return sum(s[key] * s["n_pairs"] for s in stats if s["n_pairs"]) / max(n, 1)
-
-
-def pad_token(tok) -> int:
-    return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-
-
-def _fmt(m: dict | None) -> str:
-    if not m:
-        return "n/a"
-    s = (f"reward accuracy {m['reward_accuracy']:.3f}, mean margin {m['reward_margin']:.4f}, "
-         f"log-prob accuracy {m['logp_accuracy']:.3f} ({m['pairs']} pairs)")
-    if "exact_match" in m:
-        s += f", exact match {m['exact_match']:.3f} ({m['generated']} prompts)"
-    return s
-
-
-def results_table(before: dict | None, after: dict) -> str:
-    """The held-out numbers before and after DPO, one row each."""
-    rows = [("exact match", "exact_match", "{:.3f}"), ("reward accuracy", "reward_accuracy", "{:.3f}"),
-            ("mean margin", "reward_margin", "{:.4f}"), ("log-prob accuracy", "logp_accuracy", "{:.3f}")]
-    head = f"held-out ({after['pairs']} pairs" + (f", {after['generated']} prompts generated)" if "generated" in after else ")")
-    lines = [f"{head:<44} {'before':>8} {'after':>8}"]
-    for name, key, f in rows:
-        if key in after:
-            b = f.format(before[key]) if before and key in before else "n/a"
-            lines.append(f"{name:<44} {b:>8} {f.format(after[key]):>8}")
-    if "examples" in after:
-        lines.append("after, e.g.: " + "; ".join(after["examples"][:2]))
-    return "\n".join(lines)
+    return {"log": logs, "before": before, "after": after}
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ long enough to learn both behaviours: partial skill by construction, not by stop
 SFT jumps from 0 % to ~97 % within ~75 steps). Greedy decoding then reverses ~25-35 % of the
 held-out lists and a temperature-1 sample about as often, so most groups of G carry signal. GRPO on
 the training prompts (reward 1 for the exact reversed list) teaches it to reverse; the 64 held-out
-lists are never trained on and are scored by greedy decoding before and after (+35 to +55 points
-for seeds 0-2 with the defaults, ~2 min on a CPU core, most of it the SFT). Per step: G completions
+lists are never trained on and are scored by greedy decoding before and after (seed 0 with the
+defaults: 30 % -> 89 %, ~2 min on a CPU core, most of it the SFT). Per step: G completions
 per prompt (dropout off), rewards, group advantages (zero-variance groups dropped and counted),
 packed rows, ``grpo_loss``; the reference is the SFT model (LoRA adapters disabled) when --beta > 0.
 Writes metrics.jsonl, metrics.png (the reward curve), checkpoints/ (adapter, optimizer, sampler RNG).
+``ftlib grpo`` is the full command around the same loop (any model, a prompts file, reward functions).
 """
 
 from __future__ import annotations
@@ -21,22 +22,24 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ftlib import rl  # noqa: E402
-from ftlib.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint  # noqa: E402
-from ftlib.data import render_chat  # noqa: E402
-from ftlib.lora import LoRAConfig, apply_lora, trainable_params  # noqa: E402
-from ftlib.losses import causal_lm_loss  # noqa: E402
-from ftlib.models import load_pretrained, load_tokenizer, save_pretrained  # noqa: E402
-from ftlib.models.reward import pack_documents  # noqa: E402
-from ftlib.onpolicy import generate_answers  # noqa: E402
-from ftlib.train.demo import CHATML, PROMPT, demo_records, heldout_records, make_demo_assets  # noqa: E402
+from ftlib import rl
+from ftlib.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from ftlib.data import render_chat
+from ftlib.lora import LoRAConfig, apply_lora, trainable_params
+from ftlib.models import load_pretrained, load_tokenizer, save_pretrained
+from ftlib.train.demo import (
+    CHATML,
+    demo_records,
+    heldout_records,
+    make_demo_assets,
+    noisy_sft,
+    prompt_records,
+)
 
 
 def parse_args(argv=None):
@@ -59,36 +62,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def words_of(rec):
-    return rec["messages"][-2]["content"][len(PROMPT):].split()
-
-
-def prompt_text(words):
-    return render_chat([{"role": "user", "content": PROMPT + " ".join(words)}], CHATML, add_generation_prompt=True)
-
-
-def accuracy(model, tok, lists) -> float:
-    got = generate_answers(model, tok, [prompt_text(w) for w in lists], temperature=0.0, max_new_tokens=16)
-    return sum(g == " ".join(reversed(w)) for g, w in zip(got, lists)) / len(lists)
-
-
-def sft(model, tok, lists, steps, seed, right=0.5, lr=3e-3):
-    """Noisy SFT: a fraction ``right`` of the answers reversed (right), the others the list as given (wrong)."""
-    rng, eos = random.Random(seed), tok.eos_token_id
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    for _ in range(steps):
-        docs, masks = [], []
-        for w in rng.sample(lists, 32):
-            ans = reversed(w) if rng.random() < right else w
-            p, a = tok.encode(prompt_text(w), add_special_tokens=False), tok.encode(" ".join(ans), add_special_tokens=False)
-            docs.append(p + a + [eos])
-            masks.append([0] * len(p) + [1] * (len(a) + 1))
-        batch = pack_documents(docs)
-        batch["labels"] = torch.tensor([[t if m else -100 for d, ms in zip(docs, masks) for t, m in zip(d, ms)]])
-        loss, n = causal_lm_loss(model, batch)
-        (loss / n).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+def prompt_text(prompt: str) -> str:
+    return render_chat([{"role": "user", "content": prompt}], CHATML, add_generation_prompt=True)
 
 
 def main(argv=None):
@@ -99,23 +74,26 @@ def main(argv=None):
     torch.set_num_threads(1)  # a 2-layer model: more threads cost CPU time, not wall time (25x on a busy 2-core box)
     assets = make_demo_assets(out / "assets", seed=args.seed)
     tok = load_tokenizer(assets / "base")
-    train = [words_of(r) for r in demo_records(2000, args.seed)]
-    held = [words_of(r) for r in heldout_records()]
-    assert not {tuple(w) for w in held} & {tuple(w) for w in train}, "a held-out prompt in training"
+    train, held = prompt_records(demo_records(2000, args.seed)), prompt_records(heldout_records())
+    assert not {r["prompt"] for r in held} & {r["prompt"] for r in train}, "a held-out prompt in training"
     if not (out / "sft" / "config.json").exists():  # the starting point, made once (a resumed run reuses it)
         model = load_pretrained(assets / "base", dtype=torch.float32)
-        sft(model, tok, train, args.sft_steps, args.seed, right=args.sft_right)
+        noisy_sft(model, tok, train, steps=args.sft_steps, seed=args.seed, right=args.sft_right)
         save_pretrained(model, out / "sft")
     model = load_pretrained(out / "sft", dtype=torch.float32)
-    acc_before = accuracy(model, tok, held)
+    reward_fn = rl.exact_answer_reward(extract=r"(.+)")  # 1 for the exact reversed list
+    accuracy = lambda: rl.greedy_reward(model, tok, [prompt_text(r["prompt"]) for r in held], reward_fn,
+                                        max_new_tokens=16, answer=[r["answer"] for r in held])
+    acc_before = accuracy()
     apply_lora(model, LoRAConfig(r=8, alpha=16, target_modules="all-linear"), verbose=False)
     opt = torch.optim.AdamW(list(trainable_params(model).values()), lr=args.lr)
     cfg = rl.GRPOConfig(loss_type=args.loss_type, beta=args.beta, epsilon_low=0.2, epsilon_high=0.28,
                      max_completion_length=args.max_new_tokens)
     sampling = rl.SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_tokens=(tok.eos_token_id,))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    gen, reward_fn = rl.ModelGenerator(model, pad), rl.exact_answer_reward(extract=r"(.+)")
+    pad = tok.pad_id
+    gen = rl.ModelGenerator(model, pad)
     rng = torch.Generator().manual_seed(args.seed)  # the sampler's RNG: saved in every checkpoint
+    # the loop: resume, then per step rollouts -> rewards -> advantages -> loss -> step -> log -> checkpoint
     ckpt, step = Checkpointer(out / "checkpoints", keep=2), 0
     if args.resume and (last := latest_checkpoint(out / "checkpoints")) is not None:
         state = load_checkpoint(last, model=model, optimizer=opt)
@@ -128,10 +106,10 @@ def main(argv=None):
         (out / "metrics.jsonl").unlink()
     while step < args.steps:
         t0 = time.perf_counter()
-        lists = random.Random(args.seed * 100003 + step).sample(train, args.prompts)  # training prompts only
-        ids = [tok.encode(prompt_text(w), add_special_tokens=False) for w in lists]
-        ro = rl.rollout(gen, tok, ids, group_size=args.group, sampling=sampling, rng=rng,
-                     prompts=[prompt_text(w) for w in lists], fields={"answer": [" ".join(reversed(w)) for w in lists]})
+        recs = random.Random(args.seed * 100003 + step).sample(train, args.prompts)  # training prompts only
+        texts = [prompt_text(r["prompt"]) for r in recs]
+        ro = rl.rollout(gen, tok, [tok.encode(t, add_special_tokens=False) for t in texts], group_size=args.group,
+                        sampling=sampling, rng=rng, prompts=texts, fields={"answer": [r["answer"] for r in recs]})
         rw = rl.compute_rewards([reward_fn], ro.prompts, ro.completions, answer=ro.fields["answer"])
         adv = rl.group_advantages(rw.total, args.group, scale_rewards="group", drop_zero_std=True)
         rec = {"step": step + 1, **rw.stats(), **ro.stats(), **adv.stats}
@@ -166,7 +144,7 @@ def main(argv=None):
         if step % args.save_every == 0 or step == args.steps:
             ckpt.save(step, model=model, optimizer=opt, extra={"sampler_rng": rng.get_state(), "acc_before": acc_before})
     ckpt.close()
-    acc_after = accuracy(model, tok, held)
+    acc_after = accuracy()
     rewards = [json.loads(line)["reward"] for line in open(out / "metrics.jsonl")]
     summary = {"seed": args.seed, "heldout_acc_before": acc_before, "heldout_acc_after": acc_after,
                "reward_first10": sum(rewards[:10]) / len(rewards[:10]), "reward_last10": sum(rewards[-10:]) / len(rewards[-10:])}

@@ -1,4 +1,5 @@
-"""Evaluation: held-out loss and perplexity over a (packed) loader; exact match through generation.
+"""Evaluation: held-out loss and perplexity over a (packed) loader; exact match through generation;
+held-out preference pairs (a policy's reward accuracy and margin, a reward model's pairwise accuracy).
 
 Loss. The token-weighted mean over every target token of the held-out set (labels != -100 under
 the loss's shift) on every rank, the normalisation training uses (``ftlib.optim``), not a mean
@@ -15,7 +16,20 @@ Exact match. Each prompt is decoded greedily by ``ftlib.models.generate`` (left-
 positions count real tokens, so padding does not change the result) up to ``max_new_tokens`` or
 a stop token; the prediction is the text before the first stop token, and it is correct when
 ``normalize(prediction) == normalize(reference)`` (default: whitespace runs collapsed, ends
-stripped).
+stripped). ``pair_exact_match`` does it for the prompts of a preference-pairs file against their
+chosen answers (one-turn answers, each distinct prompt once).
+
+Preference pairs (a ``PairCache``, rank 0 reading every pair in order). For a policy,
+``pair_metrics`` runs the loss's own reward definition (``ftlib.preference.PreferenceLoss``;
+for DPO the implicit reward ``beta * (log pi(y|x) - log pi_ref(y|x))``) and reports
+
+    reward_accuracy = mean[r(chosen) > r(rejected)],  reward_margin = mean[r(chosen) - r(rejected)],
+    logp_accuracy   = mean[log pi(chosen) > log pi(rejected)]    (length-normalised as the loss is)
+
+For a reward model, ``reward_pair_metrics`` reports the Bradley-Terry loss
+``mean -log sigmoid(r_c - r_r)`` (Bradley & Terry 1952) and the pairwise accuracy (a tie counts one
+half). ``score_pairs`` writes a reward model's scores into the pair records (``reward_chosen``,
+``reward_rejected``: the input of the DPO margin filter). ``pair_metrics_table`` lays a policy's numbers before and after training side by side.
 
 Before/after. ``heldout_report`` measures both on one model (loss on every rank, exact match on
 rank 0), once before training and once after; ``before_after_table`` prints the two side by side
@@ -34,8 +48,23 @@ from torch import nn
 
 from . import losses
 from ._dist import get_rank, get_world_size
+from .data import PairLoader, SkipReport, iter_records, render_chat
+from .losses import bradley_terry_loss
+from .preference import pair_logps, reference_pair_logps
 
-__all__ = ["EvalResult", "ExactMatch", "before_after_table", "evaluate", "exact_match", "heldout_report"]
+__all__ = [
+    "EvalResult",
+    "ExactMatch",
+    "before_after_table",
+    "evaluate",
+    "exact_match",
+    "heldout_report",
+    "pair_exact_match",
+    "pair_metrics",
+    "pair_metrics_table",
+    "reward_pair_metrics",
+    "score_pairs",
+]
 
 
 @dataclass
@@ -229,3 +258,142 @@ def before_after_table(before: dict, after: dict, *, questions: Sequence[str] = 
     if before.get("predictions"):
         lines.append(f"  (before training, the first answer was {_short(before['predictions'][0])})")
     return lines
+
+
+def _pair_batches(cache, *, pad_id: int, seq_len: int | None, device, packing: bool = True):
+    """Every pair of ``cache`` once, in order, one packed row (or one pair) per batch, on ``device``."""
+    loader = PairLoader(cache, batch_size=1, seq_len=seq_len, pad_id=pad_id, packing=packing, shuffle=False,
+                        drop_last=False, rank=0, world_size=1)  # the caller's rank reads every pair
+    for batch in loader:
+        yield {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def pair_metrics(model: nn.Module, cache, *, loss_fn, pad_id: int, seq_len: int, device=None,
+                 autocast: Callable[[], object] | None = None) -> dict:
+    """Held-out preference pairs through a policy: ``{"pairs", "reward_accuracy", "reward_margin",
+    "logp_accuracy"}`` (module docstring). ``loss_fn`` is a ``PreferenceLoss``; its reference comes from
+    the cache when precomputed there, else from ``model`` with its adapters disabled. Eval mode, restored."""
+    device = torch.device(device) if device is not None else _param_device(model)
+    ctx = autocast if autocast is not None else nullcontext
+    was_training = model.training
+    model.eval()
+    acc = margin = pref = n = 0.0
+    try:
+        for batch in _pair_batches(cache, pad_id=pad_id, seq_len=seq_len, device=device):
+            with ctx():
+                policy = pair_logps(model, batch)
+            ref = reference_pair_logps(model, batch, autocast=autocast) if loss_fn.needs_reference else None
+            res = loss_fn(policy, ref)
+            pc, pr = policy.values(loss_fn.normalize)
+            acc += float(res.accuracies.sum())
+            margin += float(res.margins.sum())
+            pref += float((pc > pr).sum())
+            n += res.losses.numel()
+    finally:
+        model.train(was_training)
+    if not n:
+        raise ValueError(f"pair_metrics: {cache.path} holds no pairs")
+    return {"pairs": int(n), "reward_accuracy": acc / n, "reward_margin": margin / n, "logp_accuracy": pref / n}
+
+
+@torch.no_grad()
+def reward_pair_metrics(model: nn.Module, cache, *, pad_id: int, device=None,
+                        autocast: Callable[[], object] | None = None) -> dict:
+    """Held-out preference pairs through a reward model (``ftlib.models.LlamaRewardModel``):
+    ``{"eval_loss": Bradley-Terry loss, "eval_accuracy": pairwise accuracy}``, each side scored as its
+    own padded sequence (``ftlib.models.pair_rewards``). Eval mode, restored."""
+    from .models import pair_rewards, pairwise_accuracy
+
+    device = torch.device(device) if device is not None else _param_device(model)
+    ctx = autocast if autocast is not None else nullcontext
+    was_training = model.training
+    model.eval()
+    chosen, rejected = [], []
+    try:
+        for batch in _pair_batches(cache, pad_id=pad_id, seq_len=None, device=device, packing=False):
+            with ctx():
+                c, r = pair_rewards(model, batch)
+            chosen.append(c.float().cpu())
+            rejected.append(r.float().cpu())
+    finally:
+        model.train(was_training)
+    if not chosen:
+        raise ValueError(f"reward_pair_metrics: {cache.path} holds no pairs")
+    c, r = torch.cat(chosen), torch.cat(rejected)
+    loss_sum, n = bradley_terry_loss(c, r, None)
+    return {"eval_loss": float(loss_sum) / float(n), "eval_accuracy": pairwise_accuracy(c, r)}
+
+
+@torch.no_grad()
+def score_pairs(model: nn.Module, tokenizer, sources, config, *, report: SkipReport | None = None,
+                max_tokens: int = 16384) -> list[dict]:
+    """The records of the pairs in ``sources`` that ``config`` (an ``ftlib.data.PairConfig``) formats, each
+    with ``reward_chosen`` / ``reward_rejected`` (floats): a reward model's scores (``ftlib.models.score``)
+    of exactly the token sequences the pair cache holds for it (its prompt + each side, truncated by
+    the same rule). A record the formatter refuses raises (``report`` strict, the default) or is left
+    out and counted in ``report`` (lenient)."""
+    from .models import score
+
+    fmt = config.formatter(tokenizer.tokenizer)
+    report = report if report is not None else SkipReport(strict=True)
+    recs, docs = [], []
+    for rec, where in iter_records(sources, report):
+        doc = fmt(rec, where, report)
+        if doc is None:
+            continue
+        p, c = doc.extra["prompt_len"], doc.extra["chosen_len"]
+        ids = doc.input_ids.tolist()
+        recs.append(rec)
+        docs += [ids[: p + c], ids[:p] + ids[p + c :]]
+    if not recs:
+        return []
+    r = score(model, docs, max_tokens=max_tokens).tolist()
+    return [{**rec, "reward_chosen": r[2 * i], "reward_rejected": r[2 * i + 1]} for i, rec in enumerate(recs)]
+
+
+def pair_exact_match(model: nn.Module, tokenizer, sources, config, *, limit: int, stop_tokens: Sequence[int],
+                     device=None) -> dict:
+    """Greedy generations for up to ``limit`` distinct prompts of the pairs in ``sources`` (records read
+    with ``config``, a chat ``ftlib.data.PairConfig``) against their chosen answers (``exact_match``):
+    ``{"exact_match", "generated", "examples"}``; ``{}`` when ``limit`` is 0, the pairs are text, or
+    none has a one-turn answer. Records the formatter refuses are left out here (the pair cache
+    built from the same sources reports them)."""
+    if not limit or config.kind != "chat":
+        return {}
+    fmt, report = config.formatter(tokenizer.tokenizer), SkipReport(strict=False)
+    seen, items = set(), []
+    for rec, where in iter_records(sources, SkipReport(strict=False)):
+        conv = fmt.conversation(rec, where, report)
+        if conv is None or len(conv[1]) != 1:
+            continue  # exact match is defined for one-turn answers
+        prompt = render_chat(conv[0], config.chat_template, add_generation_prompt=True,
+                             bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+        if prompt not in seen:
+            seen.add(prompt)
+            items.append((prompt, conv[1][0]["content"].strip()))
+        if len(items) >= limit:
+            break
+    if not items:
+        return {}
+    longest = max(len(tokenizer.encode(a, add_special_tokens=False)) for _, a in items)
+    em = exact_match(model, tokenizer, [p for p, _ in items], [a for _, a in items], max_new_tokens=longest + 4,
+                     batch_size=16, stop_tokens=stop_tokens, device=device)
+    examples = [f"{r!r} -> {p!r}" for p, r in zip(em.predictions[:3], em.references[:3])]
+    return {"exact_match": em.accuracy, "generated": em.total, "examples": examples}
+
+
+def pair_metrics_table(before: dict | None, after: dict) -> str:
+    """``pair_metrics`` (+ ``pair_exact_match``) before and after training, one row per number."""
+    rows = [("exact match", "exact_match", "{:.3f}"), ("reward accuracy", "reward_accuracy", "{:.3f}"),
+            ("mean margin", "reward_margin", "{:.4f}"), ("log-prob accuracy", "logp_accuracy", "{:.3f}")]
+    head = f"held-out ({after['pairs']} pairs" + (f", {after['generated']} prompts generated)"
+                                                   if "generated" in after else ")")
+    lines = [f"{head:<44} {'before':>8} {'after':>8}"]
+    for name, key, f in rows:
+        if key in after:
+            b = f.format(before[key]) if before and key in before else "n/a"
+            lines.append(f"{name:<44} {b:>8} {f.format(after[key]):>8}")
+    if "examples" in after:
+        lines.append("after, e.g.: " + "; ".join(after["examples"][:2]))
+    return "\n".join(lines)

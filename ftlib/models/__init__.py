@@ -21,7 +21,7 @@ from .moe import RouterStats
 from .reward import (
     LlamaRewardModel,
     load_reward_model,
-    pack_documents,
+    pair_rewards,
     pairwise_accuracy,
     save_reward_model,
     score,
@@ -47,7 +47,7 @@ __all__ = [
     "load_pretrained",
     "load_reward_model",
     "load_tokenizer",
-    "pack_documents",
+    "pair_rewards",
     "pairwise_accuracy",
     "parse_size",
     "rope_cos_sin",

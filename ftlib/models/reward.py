@@ -14,6 +14,9 @@ margin m of Touvron et al. 2023 "Llama 2"). The score is read at the last token 
 
 Only the pooled [N, H] rows go through the head. ``score(model, docs)`` packs a list of token-id
 documents into varlen rows (no padding, fused attention kernels) and returns one float per document.
+``pair_rewards(model, batch)`` scores a preference-pair batch of ``ftlib.data.PairLoader`` (either
+layout: each side is its own padded row or its own packed segment, so chosen and rejected are scored
+as separate sequences) and returns the [P] chosen and [P] rejected scores.
 
 Files are those of ``transformers``' ``LlamaForSequenceClassification`` (``Qwen2...``, ``Mistral...``):
 config.json with ``architectures``, one label (``id2label``) and ``pad_token_id``, tensors
@@ -51,7 +54,7 @@ __all__ = [
     "SEQ_CLS_ARCHITECTURES",
     "last_token_index",
     "load_reward_model",
-    "pack_documents",
+    "pair_rewards",
     "pairwise_accuracy",
     "save_reward_model",
     "score",
@@ -156,16 +159,20 @@ class LlamaRewardModel(nn.Module):
 # ---- batching ------------------------------------------------------------------------------------
 
 
-def pack_documents(docs: Sequence[Sequence[int]], device: torch.device | str | None = None) -> dict:
-    """One packed row [1, sum of lengths] holding ``docs`` in order: ``input_ids``, ``position_ids``,
-    ``cu_seqlens`` (int32, one segment per document, no padding) and ``max_seqlen``."""
-    if not docs:
-        raise ValueError("pack_documents: no documents")
-    lengths = []
-    for i, d in enumerate(docs):
-        if len(d) == 0:
-            raise ValueError(f"pack_documents: document {i} is empty")
-        lengths.append(len(d))
+_LAYOUT = ("attention_mask", "position_ids", "cu_seqlens", "max_seqlen")  # the batch contract of ftlib.data.collate
+
+
+def pair_rewards(model: LlamaRewardModel, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen [P], rejected [P]) scores of a pair batch (``ftlib.data.pair_batches``, padded or packed):
+    one score per row or segment, read at ``chosen_index`` / ``rejected_index``."""
+    r = model(batch["input_ids"], **{k: batch[k] for k in _LAYOUT if k in batch})  # (rows or segments,)
+    return r[batch["chosen_index"].to(r.device)], r[batch["rejected_index"].to(r.device)]
+
+
+def _packed_row(docs: Sequence[Sequence[int]], device: torch.device | str | None = None) -> dict:
+    """One packed row [1, sum of lengths] holding ``docs`` (non-empty, checked by ``score``) in order:
+    ``input_ids``, ``position_ids``, ``cu_seqlens`` (int32, one segment per document) and ``max_seqlen``."""
+    lengths = [len(d) for d in docs]
     ids = torch.tensor([int(t) for d in docs for t in d], dtype=torch.int64)
     cu = torch.zeros(len(docs) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths).cumsum(0)
@@ -206,7 +213,7 @@ def score(
                 tokens += len(docs[order[end]])
                 end += 1
             chunk = order[start:end]
-            batch = pack_documents([docs[i] for i in chunk], device)
+            batch = _packed_row([docs[i] for i in chunk], device)
             out[torch.tensor(chunk)] = model(batch["input_ids"], position_ids=batch["position_ids"],
                                              cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"]).float().cpu()
             start = end

@@ -9,7 +9,8 @@ log-probabilities that need no second model, and a watch for likelihood displace
 Modules (each with its math and references):
 
 - ``logprobs``   ``token_logprobs`` / ``sequence_logprobs`` (the chunked projection: one [chunk, V]
-                 block at a time, recomputed in backward) and ``pair_logps`` for a pair batch;
+                 block at a time, recomputed in backward) and ``pair_logps`` for a pair batch
+                 (``PairPolicy``: the same as a module, the one DDP wraps);
 - ``reference``  ``reference_pair_logps`` (adapters disabled, a frozen model, or the values the
                  pair cache carries) and ``precompute_reference`` (that pass once, into the cache);
 - ``losses``     sigmoid (DPO), robust, ipo, hinge, simpo, orpo, with RPO and DPOP
@@ -20,6 +21,7 @@ Modules (each with its math and references):
 
 from .logprobs import (
     PairLogps,
+    PairPolicy,
     SequenceLogprobs,
     TokenLogprobs,
     pair_logps,
@@ -47,6 +49,7 @@ __all__ = [
     "LikelihoodDisplacementMonitor",
     "LikelihoodDisplacementWarning",
     "PairLogps",
+    "PairPolicy",
     "PreferenceLoss",
     "PreferenceOutput",
     "SequenceLogprobs",

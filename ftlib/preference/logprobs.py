@@ -26,7 +26,8 @@ import torch
 
 from ..losses import IGNORE_INDEX, head_weight
 
-__all__ = ["PairLogps", "SequenceLogprobs", "TokenLogprobs", "pair_logps", "sequence_logprobs", "token_logprobs"]
+__all__ = ["PairLogps", "PairPolicy", "SequenceLogprobs", "TokenLogprobs", "pair_logps", "sequence_logprobs",
+           "token_logprobs"]
 
 
 # ---- sequence log-probabilities ------------------------------------------------------------------
@@ -218,3 +219,17 @@ def pair_logps(model, batch: dict, *, chunk_size: int = 1024) -> PairLogps:
                             chunk_size=chunk_size)
     ci, ri = batch["chosen_index"].to(seq.sum.device), batch["rejected_index"].to(seq.sum.device)
     return PairLogps(seq.sum[ci], seq.sum[ri], seq.count[ci], seq.count[ri])
+
+
+class PairPolicy(torch.nn.Module):
+    """``pair_logps`` as a module: ``PairPolicy(model)(batch)`` -> (chosen, rejected, chosen_n, rejected_n),
+    the tuple of ``PairLogps``' fields (``PairLogps(*out)``). The module DDP wraps, so the gradient
+    all-reduce hooks see the whole policy forward (``ftlib.distributed.wrap_ddp(PairPolicy(model))``)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        lp = pair_logps(self.model, batch)
+        return lp.chosen, lp.rejected, lp.chosen_n, lp.rejected_n

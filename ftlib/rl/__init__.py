@@ -6,7 +6,7 @@ them with user callables and built-ins, ``group_advantages`` turns rewards into 
 ``pack_rollouts`` lays prompt + completion out in packed rows, ``policy_logprobs`` /
 ``reference_logprobs`` give per-token log-probs from the chunked head, and ``grpo_loss`` is TRL's
 GRPO loss (grpo / bnpo / dr_grpo / dapo aggregation). ``kto_loss`` is TRL's KTO loss.
-See ``examples/grpo.py`` for the loop.
+See ``examples/grpo.py`` for the loop and ``ftlib grpo`` (``ftlib.cli.grpo``) for the command.
 """
 
 from .grpo import (
@@ -27,6 +27,7 @@ from .rewards import (
     compute_rewards,
     exact_answer_reward,
     format_reward,
+    greedy_reward,
     last_number,
     reward_model_reward,
 )
@@ -35,7 +36,7 @@ from .rollout import Generator, ModelGenerator, RolloutBatch, SamplingConfig, pa
 __all__ = [
     "Advantages", "GRPOConfig", "GRPOLossOutput", "Generator", "KTOConfig", "KTOOutput", "LOSS_TYPES",
     "ModelGenerator", "RewardError", "RewardResult", "RolloutBatch", "SamplingConfig", "boxed_answer",
-    "check_kto_records", "compute_rewards", "exact_answer_reward", "format_reward", "group_advantages", "grpo_loss",
+    "check_kto_records", "compute_rewards", "exact_answer_reward", "format_reward", "greedy_reward", "group_advantages", "grpo_loss",
     "kto_logps", "kto_loss", "last_number", "pack_kto", "pack_rollouts", "policy_logprobs", "reference_kto_logps",
     "reference_logprobs", "reward_model_reward", "rollout",
 ]

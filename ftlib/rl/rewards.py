@@ -26,6 +26,9 @@ Built-ins (each returns a reward function):
   stripping, DOTALL), else 0.0.
 - ``reward_model_reward(model, tokenizer)``: the scalar score of a trained
   ``ftlib.models.reward`` model on prompt + completion (packed, no padding).
+
+``greedy_reward`` is the held-out number of a run: the mean reward of the greedy (temperature 0)
+completion of each prompt, e.g. the exact-match accuracy with ``exact_answer_reward``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["RewardError", "RewardResult", "boxed_answer", "compute_rewards", "exact_answer_reward",
-           "format_reward", "last_number", "reward_model_reward"]
+           "format_reward", "greedy_reward", "last_number", "reward_model_reward"]
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -132,6 +135,19 @@ def compute_rewards(funcs: RewardFn | Sequence[RewardFn], prompts: Sequence, com
     total = (per * wt).nansum(1)
     total[torch.isnan(per).all(1)] = float("nan")  # unscorable: every function skipped it
     return RewardResult(per, total, names, skipped)
+
+
+def greedy_reward(model, tokenizer, prompts: Sequence[str], funcs: RewardFn | Sequence[RewardFn], *,
+                  max_new_tokens: int, stop_tokens: Sequence[int] | None = None,
+                  weights: Sequence[float] | None = None, **fields) -> float:
+    """Mean total reward (``compute_rewards``) of one greedy completion per prompt (rendered text; decoded by
+    ``ftlib.onpolicy.generate_answers``, eval mode, stop tokens default to the tokenizer's EOS); ``fields``
+    one value per prompt."""
+    from ..onpolicy import generate_answers
+
+    got = generate_answers(model, tokenizer, list(prompts), temperature=0.0, max_new_tokens=max_new_tokens,
+                           stop_tokens=stop_tokens)
+    return _nanmean(compute_rewards(funcs, list(prompts), got, weights=weights, **fields).total)
 
 
 # ---- built-ins ---------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHATML", "DEMO_LEXICON", "PROMPT", "WORDS", "arithmetic_pairs", "demo_records", "heldout_pairs", "heldout_records",
-           "make_demo_assets", "pair_score"]
+__all__ = ["CHATML", "DEMO_LEXICON", "PROMPT", "WORDS", "arithmetic_pairs", "demo_records", "dpo_demo_pairs",
+           "dpo_demo_setup", "heldout_pairs", "heldout_records", "make_demo_assets", "noisy_sft", "pair_score",
+           "prompt_records", "reward_demo_pairs"]
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -128,7 +129,7 @@ def arithmetic_pairs(n: int, seed: int = 0) -> list[dict]:
     the right sum, the rejected one a wrong sum (off by 1 to 3, never negative) in the same words.
 
     The reward-model demo's pairs: 200 distinct questions, so held-out comparisons can pair a seen
-    question with an unseen wrong answer (``examples/reward_model.py``)."""
+    question with an unseen wrong answer (``reward_demo_pairs``)."""
     rng = random.Random(seed)
     recs = []
     for _ in range(n):
@@ -138,6 +139,140 @@ def arithmetic_pairs(n: int, seed: int = 0) -> list[dict]:
         recs.append({"messages": [{"role": "user", "content": q}],
                      "chosen": f"{a} plus {b} is {a + b}.", "rejected": f"{a} plus {b} is {wrong}."})
     return recs
+
+
+def reward_demo_pairs(root: str | Path, n_prompts: int = 24, seed: int = 0) -> tuple[Path, Path]:
+    """The reward-model demo's pairs files under ``root`` (``train.jsonl``, ``eval.jsonl``; idempotent):
+    the distinct ``arithmetic_pairs`` of ``n_prompts`` questions, split by the rejected answer, so
+    training and held-out comparisons share questions and the right answer, never a (question,
+    wrong answer) pair. Returns (train path, eval path)."""
+    import zlib
+
+    root = Path(root)
+    paths = root / "train.jsonl", root / "eval.jsonl"
+    if all(p.exists() for p in paths):
+        return paths
+    distinct = {json.dumps(r, sort_keys=True): r for r in arithmetic_pairs(4000, seed=1)}
+    prompts = sorted({json.dumps(r["messages"]) for r in distinct.values()})
+    random.Random(seed).shuffle(prompts)
+    keep = set(prompts[:n_prompts])
+    recs = [r for _, r in sorted(distinct.items()) if json.dumps(r["messages"]) in keep]
+    held = [zlib.crc32((json.dumps(r["messages"]) + r["rejected"]).encode()) % 2 == 1 for r in recs]
+    root.mkdir(parents=True, exist_ok=True)
+    for path, want in zip(paths, (False, True)):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r, h in zip(recs, held) if h == want))
+        tmp.replace(path)
+    return paths
+
+
+def dpo_demo_setup(out: str | Path, *, seed: int = 0, sft_steps: int = 125, threads: int = 1,
+                   sft: bool = True) -> dict:
+    """The DPO demo's files under ``out`` (idempotent): the demo assets (``out/demo``), the held-out pairs
+    and, with ``sft``, a short ``ftlib sft`` run (``out/sft``, its own process) whose adapter merged
+    into the base is the starting (and reference) model. Returns ``{"model", "sft_adapter", "train",
+    "eval"}``: the base folder, the SFT adapter (None without ``sft``), the training pairs' path (written
+    by ``dpo_demo_pairs``) and the held-out pairs file.
+
+    Held out: one pair for each of the 64 held-out word lists, prompts no SFT training record contains
+    (``heldout_pairs``), each with a checkable score (``reward_chosen`` 0, ``reward_rejected`` minus the
+    number of misplaced words). The SFT run (r 64, alpha 256, ``sft_steps`` steps) learns the answer
+    format and part of the task (held-out exact match about 0.5 at 125 steps; near 1 at 150+, when
+    DPO has little left to fix)."""
+    import os
+    import subprocess
+    import sys
+
+    from ftlib.onpolicy import write_pairs
+
+    out = Path(out)
+    make_demo_assets(out / "demo")
+    base, pairs_dir = out / "demo" / "base", out / "demo" / "pairs"
+    if not (pairs_dir / "eval.jsonl").exists():
+        recs = heldout_pairs(seed=seed)
+        for r in recs:
+            prompt = r["messages"][-1]["content"]
+            r["reward_chosen"], r["reward_rejected"] = pair_score(prompt, r["chosen"]), pair_score(prompt, r["rejected"])
+        write_pairs(recs, pairs_dir / "eval.jsonl")
+    adapter = out / "sft" / "adapter"
+    if sft and not (adapter / "adapter_config.json").exists():
+        print(f"== SFT first: {sft_steps} steps of ftlib sft on the demo chat data", flush=True)
+        # its own process (one process: no torchrun variables), this ftlib first on the path
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                             *filter(None, [env.get("PYTHONPATH")])])
+        subprocess.run([sys.executable, "-m", "ftlib", "sft", "--model", str(base), "--data", str(out / "demo" / "data"),
+                        "--out", str(out / "sft"), "--seq-len", "256", "--batch-size", "4", "--grad-accum", "1",
+                        "--lr", "2e-3", "--lora-r", "64", "--lora-alpha", "256", "--epochs", "3",
+                        "--max-steps", str(sft_steps), "--log-every", "25", "--num-proc", "1", "--num-workers", "0",
+                        "--seed", str(seed), "--threads", str(threads)], check=True, env=env)
+    return {"model": str(base), "sft_adapter": str(adapter) if sft else None,
+            "train": str(pairs_dir / "train.jsonl"), "eval": str(pairs_dir / "eval.jsonl")}
+
+
+def dpo_demo_pairs(model, tokenizer, chat_template: str, out: str | Path, path: str | Path, *, prompts: int = 600,
+                   samples: int = 4, seed: int = 0, stop_tokens=None, log=print) -> None:
+    """The DPO demo's training pairs, on-policy, written to ``path`` unless it exists: ``model`` (the SFT
+    model) answers ``prompts`` of its own training prompts (``out/demo/data``; greedy + ``samples``
+    samples), ``pair_score`` scores the answers, and each prompt's best answer (or the right one, when
+    the model never found it) is preferred to its mistakes (``ftlib.onpolicy``; no held-out prompt)."""
+    from ftlib.onpolicy import OnPolicyConfig, build_onpolicy_pairs, split_last_answer, write_pairs
+
+    path = Path(path)
+    if path.exists():
+        return
+    recs = [json.loads(line) for line in (Path(out) / "demo" / "data" / "train.jsonl").read_text().splitlines()]
+    asked, answers = zip(*(split_last_answer(r["messages"]) for r in recs[:prompts]))
+    checker = lambda ps, ans: [pair_score(p[-1]["content"], a) for p, a in zip(ps, ans)]
+    built = build_onpolicy_pairs(model, tokenizer, list(asked), checker, chat_template=chat_template,
+                                 references=list(answers), exclude=[r["messages"][:-1] for r in heldout_records()],
+                                 stop_tokens=stop_tokens, config=OnPolicyConfig(samples=samples, temperature=1.0,
+                                                                                max_new_tokens=24, seed=seed))
+    write_pairs(built.records, path)
+    st = built.stats
+    log(f"on-policy pairs: {st.pairs} from {st.prompts} training prompts (greedy answer already best on "
+        f"{st.greedy_best}; {st.reference_chosen} pairs prefer the reference answer; {st.no_pair} prompts "
+        f"without a mistake; {st.empty_answers} empty and {st.repeated_answers} repeated answers dropped)")
+
+
+def prompt_records(records: list[dict]) -> list[dict]:
+    """The GRPO demo's prompts: ``{"prompt": "Reverse the words: ...", "answer": the reversed list}`` of
+    demo chat records (``demo_records`` for training, ``heldout_records`` held out)."""
+    out = []
+    for r in records:
+        prompt = r["messages"][-2]["content"]
+        out.append({"prompt": prompt, "answer": " ".join(reversed(prompt[len(PROMPT):].split()))})
+    return out
+
+
+def noisy_sft(model, tokenizer, prompts: list[dict], *, steps: int, seed: int = 0, right: float = 0.5,
+              lr: float = 3e-3, batch_size: int = 32) -> None:
+    """The GRPO demo's starting point: SFT on ``prompt_records`` in which a fraction ``right`` of the answers
+    is the reversed list and the others the list as given (a systematic error, as from a weak teacher),
+    so the model learns both behaviours: partial skill by construction. AdamW on every parameter,
+    ``steps`` batches of ``batch_size`` chat-formatted (``CHATML``) prompts, loss on the answer + EOS."""
+    import numpy as np
+
+    from ftlib.data import pad_collate, render_chat
+    from ftlib.losses import causal_lm_loss
+
+    rng, eos = random.Random(seed), tokenizer.eos_token_id
+    pad = tokenizer.pad_id
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
+        docs = []
+        for r in rng.sample(prompts, min(batch_size, len(prompts))):
+            words = r["prompt"][len(PROMPT):].split()
+            answer = " ".join(reversed(words)) if rng.random() < right else " ".join(words)
+            text = render_chat([{"role": "user", "content": r["prompt"]}], CHATML, add_generation_prompt=True)
+            p = tokenizer.encode(text, add_special_tokens=False)
+            a = tokenizer.encode(answer, add_special_tokens=False) + [eos]
+            docs.append((np.array(p + a), np.array([0] * len(p) + [1] * len(a))))
+        loss, n = causal_lm_loss(model, pad_collate(docs, pad))
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
 def _train_tokenizer(texts: list[str]):

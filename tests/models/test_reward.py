@@ -16,7 +16,6 @@ from ftlib.models import (
     LlamaForCausalLM,
     LlamaRewardModel,
     load_reward_model,
-    pack_documents,
     pairwise_accuracy,
     save_pretrained,
     save_reward_model,
@@ -25,6 +24,14 @@ from ftlib.models import (
 from ftlib.models.reward import last_token_index
 
 PAD = 0
+
+
+def packed_row(docs):
+    """``docs`` as one packed row (one cu_seqlens segment each), the layout score() builds."""
+    n = [len(d) for d in docs]
+    cu = torch.tensor([0] + n).cumsum(0).to(torch.int32)
+    return {"input_ids": torch.tensor([t for d in docs for t in d])[None],
+            "position_ids": torch.cat([torch.arange(k) for k in n])[None], "cu_seqlens": cu, "max_seqlen": max(n)}
 
 
 def reward_model(make_config, seed=0, **kw):
@@ -62,7 +69,7 @@ def test_padded_packed_and_plain_layouts_score_alike(make_config, model_type):
             ids[i, sl], mask[i, sl] = torch.tensor(d), 1
         with torch.no_grad():
             torch.testing.assert_close(rm(ids, attention_mask=mask).float(), want, atol=1e-5, rtol=1e-5)
-    b = pack_documents(ds)
+    b = packed_row(ds)
     with torch.no_grad():
         got = rm(b["input_ids"], position_ids=b["position_ids"], cu_seqlens=b["cu_seqlens"], max_seqlen=b["max_seqlen"])
     torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=1e-5)
@@ -86,7 +93,7 @@ def test_score_index_leaves_out_padding_segments(make_config):
     rm = reward_model(make_config)
     ds = docs(n=3)
     want = one_by_one(rm, ds)
-    b = pack_documents(ds + [[PAD] * 4])  # the tail as its own segment
+    b = packed_row(ds + [[PAD] * 4])  # the tail as its own segment
     idx = last_token_index(b["input_ids"], cu_seqlens=b["cu_seqlens"])[:3]
     with torch.no_grad():
         got = rm(b["input_ids"], cu_seqlens=b["cu_seqlens"], score_index=idx)

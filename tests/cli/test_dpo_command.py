@@ -1,29 +1,25 @@
-"""End to end: the DPO demo (SFT first, then DPO with RPO on on-policy pairs of the training prompts)
+"""End to end, ``ftlib dpo``: the DPO demo (SFT first, then DPO with RPO on on-policy pairs of the training prompts)
 raises held-out exact match, its pairs hold no held-out prompt and no pair with equal sides, every step
 is logged under TRL's names, and its PEFT-format adapter reloads onto the SFT-merged base exactly."""
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from ftlib.cli import dpo
 
 
 @pytest.mark.slow
-def test_demo_dpo_raises_held_out_exact_match(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import dpo
-
+def test_demo_dpo_raises_held_out_exact_match(tmp_path):
     from ftlib.train.demo import heldout_records
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny model: threads only contend on a shared runner
     try:
         out = tmp_path / "run"
-        model, res = dpo.main(["--demo", "--out", str(out), "--log-every", "50", "--num-proc", "1",
+        model, res = dpo.train(["--demo", "--out", str(out), "--log-every", "50", "--num-proc", "1",
                                "--num-workers", "0"])
     finally:
         torch.set_num_threads(n)
@@ -64,11 +60,9 @@ def test_demo_dpo_raises_held_out_exact_match(tmp_path, monkeypatch):
         want = model(ids)
         torch.testing.assert_close(reloaded(ids), want, atol=1e-5, rtol=1e-5)
         assert (sft()(ids) - want).abs().max() > 1e-3, "DPO changed nothing"
-    for name in ("dpo", "finetune_lora"):
-        sys.modules.pop(name, None)
 
 
-def test_dpo_resume_after_a_cut_ends_with_the_same_adapter(tmp_path, monkeypatch):
+def test_dpo_resume_after_a_cut_ends_with_the_same_adapter(tmp_path):
     """The main job's checkpoints in the DPO loop: a run cut after its first checkpoint and resumed with
     --resume ends bit for bit where the uninterrupted run ends (CPU, fp32), without a CheckpointWarning
     about the tokenizer files written beside each checkpoint."""
@@ -79,26 +73,23 @@ def test_dpo_resume_after_a_cut_ends_with_the_same_adapter(tmp_path, monkeypatch
 
     from ftlib.checkpoint import CheckpointWarning
 
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import dpo
-
     args = ["--demo", "--demo-prompts", "48", "--demo-sft-steps", "3", "--max-steps", "6", "--save-every", "3",
             "--log-every", "1", "--eval-generate", "0", "--num-proc", "1", "--num-workers", "0"]
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         full = tmp_path / "full"
-        _, res = dpo.main(args + ["--out", str(full)])
+        _, res = dpo.train(args + ["--out", str(full)])
         assert sorted(p.name for p in (full / "checkpoints").glob("step-*")) == ["step-00000003", "step-00000006"]
         cut = tmp_path / "cut"
         shutil.copytree(full, cut)
         shutil.rmtree(cut / "checkpoints" / "step-00000006")
         shutil.rmtree(cut / "adapter")
         with pytest.raises(SystemExit, match="--resume"):  # a used --out is not overwritten silently
-            dpo.main(args + ["--out", str(cut)])
+            dpo.train(args + ["--out", str(cut)])
         with warnings.catch_warnings(record=True) as caught:  # issue 34, item 10: not about ftlib's tokenizer files
             warnings.simplefilter("always")
-            _, res2 = dpo.main(args + ["--out", str(cut), "--resume"])
+            _, res2 = dpo.train(args + ["--out", str(cut), "--resume"])
         assert not [w for w in caught if issubclass(w.category, CheckpointWarning)], [str(w.message) for w in caught]
     finally:
         torch.set_num_threads(n)
@@ -107,18 +98,15 @@ def test_dpo_resume_after_a_cut_ends_with_the_same_adapter(tmp_path, monkeypatch
     a = load_file(str(full / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(cut / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-    for name in ("dpo", "finetune_lora"):
-        sys.modules.pop(name, None)
 
 
-def test_dpo_cli_refuses_in_one_line_and_lenient_skips(tmp_path, monkeypatch):
-    """The shared CLI (ftlib.train.cli) in dpo.py: a tokenizer without a chat template is refused (one line,
-    exit 2, how to pass one); a malformed pair names file:line and --lenient; a flag dpo.py does not
+def test_dpo_cli_refuses_in_one_line_and_lenient_skips(tmp_path):
+    """The shared CLI (ftlib.train.cli) in ftlib dpo: a tokenizer without a chat template is refused (one line,
+    exit 2, how to pass one); a malformed pair names file:line and --lenient; a flag ftlib dpo does not
     implement is refused; --lenient trains on the rest, saves the skip report, and the template used goes
     into the adapter's tokenizer_config.json and run.json."""
     import subprocess
 
-    monkeypatch.syspath_prepend(str(EXAMPLES))
     from ftlib.data import BUILTIN_TEMPLATES
     from ftlib.train.demo import make_demo_assets
 
@@ -136,7 +124,7 @@ def test_dpo_cli_refuses_in_one_line_and_lenient_skips(tmp_path, monkeypatch):
             "--batch-size", "2", "--grad-accum", "1", "--max-length", "32", "--num-proc", "1", "--num-workers", "0", "--threads", "1"]
 
     def cli(*extra):
-        return subprocess.run([sys.executable, str(EXAMPLES / "dpo.py"), *argv, *extra], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "ftlib", "dpo", *argv, *extra], capture_output=True,
                               text=True, timeout=300)
 
     r = cli()
@@ -146,18 +134,14 @@ def test_dpo_cli_refuses_in_one_line_and_lenient_skips(tmp_path, monkeypatch):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "pairs.jsonl:6" in r.stderr and "--lenient" in r.stderr
     r = cli("--chat-template", "chatml", "--early-stop", "2")
-    assert r.returncode == 2 and "--early-stop is not available in dpo.py" in r.stderr
-
-    import dpo
+    assert r.returncode == 2 and "--early-stop is not available in ftlib dpo" in r.stderr
 
     n = torch.get_num_threads()
     try:  # the held-out pairs (the same file) every step, mirrored to TensorBoard
-        _, res = dpo.main(argv + ["--chat-template", "chatml", "--lenient", "--eval-data", str(data), "--eval-every",
+        _, res = dpo.train(argv + ["--chat-template", "chatml", "--lenient", "--eval-data", str(data), "--eval-every",
                                   "1", "--eval-generate", "0", "--report-to", "tensorboard"])
     finally:
         torch.set_num_threads(n)
-        for name in ("dpo"):
-            sys.modules.pop(name, None)
     assert [r["step"] for r in res["log"]] == [1, 2]
     skipped = json.loads((tmp_path / "o" / "skipped.json").read_text())
     assert sum(skipped["train"]["counts"].values()) == 1

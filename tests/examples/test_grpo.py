@@ -1,12 +1,13 @@
 """examples/grpo.py end to end on a tiny run (files, metrics with TRL's names, held-out prompts kept out),
 and exact resume: SIGKILL mid-run, ``--resume``, the same adapter and optimizer state bit for bit.
-The full demo's rise in held-out accuracy (+35 to +55 points, seeds 0-2) is not asserted here: it takes
+The full demo's rise in held-out accuracy (seed 0: 30 % -> 89 %) is not asserted here: it takes
 ~2 min (2000 SFT steps), too slow for this suite; examples/grpo.py --demo prints it."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,12 @@ def _run(out, *extra, wait=True):
 def _final_state(out: Path):
     d = out / "checkpoints" / "step-00000004"
     return load_file(d / "adapter_model.safetensors"), load_file(d / "optimizer.safetensors")
+
+
+def test_the_example_is_a_short_loop():
+    text = EXAMPLE.read_text()
+    assert len(text.splitlines()) <= 200
+    assert len(re.findall(r"add_argument\(\"--", text)) <= 15
 
 
 def test_grpo_example_runs_and_resumes_exactly(tmp_path):

@@ -1,32 +1,26 @@
-"""End to end: examples/reward_model.py --demo learns (held-out accuracy rises), writes the rewards into the
+"""End to end, ``ftlib reward``: the demo learns (held-out accuracy rises), writes the rewards into the
 pairs files, and its files load in transformers (merged model) and peft (decayed LoRA adapter) with equal scores."""
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from ftlib.cli import reward
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    sys.path.insert(0, str(EXAMPLES))
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: threads only contend on a shared machine
     try:
-        import reward_model
-
         out = tmp_path_factory.mktemp("rm")
-        model, metrics = reward_model.main(["--demo", "--out", str(out), "--max-steps", "120", "--log-every", "40",
+        model, metrics = reward.train(["--demo", "--out", str(out), "--max-steps", "120", "--log-every", "40",
                                             "--decay-rank", "8", "--decay-at", "0.75", "--offload-blocks", "1",
                                             "--onpolicy-policy", str(out / "demo" / "base")])
     finally:
         torch.set_num_threads(n)
-        sys.path.remove(str(EXAMPLES))
-        sys.modules.pop("reward_model", None)
     return out, model, metrics
 
 
@@ -117,36 +111,29 @@ def test_decayed_adapter_loads_in_peft_with_equal_scores(run):
     torch.testing.assert_close(got, torch.tensor([r["reward_chosen"] for r in recs]), atol=1e-4, rtol=1e-4)
 
 
-def test_bad_pairs_file_names_the_line(run, tmp_path, monkeypatch):
-    """Pairs are read by the preference pipeline (ftlib.data.pairs): a bad record names its file, line and field."""
-    from ftlib.data import DataError
+def test_bad_pairs_file_names_the_line(run, tmp_path):
+    """Pairs are read by the preference pipeline (ftlib.data.pairs) for scoring too: a bad record names
+    its file, line and field (strict), or is left out and counted (lenient)."""
+    from ftlib.data import DataError, PairConfig, SkipReport
+    from ftlib.evaluation import score_pairs
     from ftlib.models import load_tokenizer
 
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import reward_model
-
-    out, _, _ = run
+    out, model, _ = run
     tok = load_tokenizer(out / "demo" / "base")
+    cfg = PairConfig(kind="chat", chat_template=tok.chat_template)
     f = tmp_path / "p.jsonl"
-    f.write_text('{"messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}\n'
-                 '{"messages": [{"role": "user", "content": "q"}], "chosen": "a"}\n')
+    good = '{"messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}\n'
+    f.write_text(good + '{"messages": [{"role": "user", "content": "q"}], "chosen": "a"}\n')
     with pytest.raises(DataError, match=r"p.jsonl:2: .*field 'rejected'"):
-        reward_model.read_pairs(str(f), tok, tok.chat_template)
+        score_pairs(model, tok, str(f), cfg)
+    report = SkipReport(strict=False)
+    assert len(score_pairs(model, tok, str(f), cfg, report=report)) == 1 and report.counts == {"missing_field": 1}
     f.write_text('{"messages": [{"role": "user"}], "chosen": "a", "rejected": "b"}\n')
     with pytest.raises(DataError, match=r"p.jsonl:1: .*field 'messages'"):
-        reward_model.read_pairs(str(f), tok, tok.chat_template)
-    f.write_text('{"messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b", "margin": "x"}\n')
-    with pytest.raises(ValueError, match=r"p.jsonl:1: field 'margin' must be a number"):
-        reward_model.read_pairs(str(f), tok, tok.chat_template, margin_field="margin")
-    sys.modules.pop("reward_model", None)
-
-
-def _import_reward_model(monkeypatch):
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    sys.modules.pop("reward_model", None)
-    import reward_model
-
-    return reward_model
+        score_pairs(model, tok, str(f), cfg)
+    f.write_text(good.replace("}\n", ', "margin": "x"}\n'))
+    with pytest.raises(DataError, match=r"p.jsonl:1: .*field 'margin' must be a finite number"):
+        score_pairs(model, tok, str(f), cfg)
 
 
 def _adapter_tensors(folder):
@@ -161,12 +148,12 @@ def test_cut_run_resumes_to_the_same_weights_and_evals_at_eval_every(tmp_path, m
     --eval-every step, the step-0 point and the last step; run.json records the resume and the template."""
     from ftlib.checkpoint import Checkpointer
 
-    rm = _import_reward_model(monkeypatch)
+    rm = reward
     n = torch.get_num_threads()
     common = ["--demo", "--demo-prompts", "8", "--max-steps", "12", "--batch-size", "4", "--save-every", "4",
               "--eval-every", "3", "--log-every", "2", "--threads", "1"]
     try:
-        _, full = rm.main(common + ["--out", str(tmp_path / "full")])
+        _, full = rm.train(common + ["--out", str(tmp_path / "full")])
 
         class Cut(Checkpointer):
             def save(self, step, **kw):
@@ -178,12 +165,11 @@ def test_cut_run_resumes_to_the_same_weights_and_evals_at_eval_every(tmp_path, m
 
         monkeypatch.setattr(rm, "Checkpointer", Cut)
         with pytest.raises(KeyboardInterrupt):
-            rm.main(common + ["--out", str(tmp_path / "cut")])
+            rm.train(common + ["--out", str(tmp_path / "cut")])
         monkeypatch.setattr(rm, "Checkpointer", Checkpointer)
-        _, resumed = rm.main(common + ["--out", str(tmp_path / "cut"), "--resume"])
+        _, resumed = rm.train(common + ["--out", str(tmp_path / "cut"), "--resume"])
     finally:
         torch.set_num_threads(n)
-        sys.modules.pop("reward_model", None)
     a, b = _adapter_tensors(tmp_path / "full" / "adapter"), _adapter_tensors(tmp_path / "cut" / "adapter")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     untimed = lambda log: [{k: v for k, v in r.items() if k != "pairs_per_s"} for r in log]
@@ -200,13 +186,12 @@ def test_cut_run_resumes_to_the_same_weights_and_evals_at_eval_every(tmp_path, m
         assert saved["chat_template"] == tok_cfg["chat_template"], folder
 
 
-def test_cli_refuses_no_template_and_bad_records_in_one_line_and_lenient_skips(tmp_path, monkeypatch):
+def test_cli_refuses_no_template_and_bad_records_in_one_line_and_lenient_skips(tmp_path):
     """No chat template (tokenizer without one, no --chat-template): refused, one line, exit 2, saying how
     to pass one. A malformed record: one line naming file:line and --lenient; the old --pairs flag is gone.
     --lenient trains on the good records, counts the bad one in skipped.json, saves the template used."""
     import subprocess
 
-    monkeypatch.syspath_prepend(str(EXAMPLES))
     from ftlib.data import BUILTIN_TEMPLATES
     from ftlib.train.demo import make_demo_assets
 
@@ -224,7 +209,7 @@ def test_cli_refuses_no_template_and_bad_records_in_one_line_and_lenient_skips(t
             "--batch-size", "2", "--threads", "1"]
 
     def cli(*extra):
-        return subprocess.run([sys.executable, str(EXAMPLES / "reward_model.py"), *argv, *extra], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "ftlib", "reward", *argv, *extra], capture_output=True,
                               text=True, timeout=300)
 
     r = cli()
@@ -233,18 +218,17 @@ def test_cli_refuses_no_template_and_bad_records_in_one_line_and_lenient_skips(t
     r = cli("--chat-template", "chatml")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "pairs.jsonl:4" in r.stderr and "field 'rejected'" in r.stderr and "--lenient" in r.stderr
-    r = subprocess.run([sys.executable, str(EXAMPLES / "reward_model.py"), "--pairs", str(data), "--out", "x"],
+    r = subprocess.run([sys.executable, "-m", "ftlib", "reward", "--pairs", str(data), "--out", "x"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "unrecognized arguments: --pairs" in r.stderr
 
-    rm = _import_reward_model(monkeypatch)
+    rm = reward
     n = torch.get_num_threads()
     try:
-        _, m = rm.main(argv + ["--chat-template", "chatml", "--lenient", "--eval-data", str(data), "--eval-every", "1",
+        _, m = rm.train(argv + ["--chat-template", "chatml", "--lenient", "--eval-data", str(data), "--eval-every", "1",
                                "--log-every", "1", "--report-to", "tensorboard"])
     finally:
         torch.set_num_threads(n)
-        sys.modules.pop("reward_model", None)
     assert m["train_pairs"] == 4 and m["skipped_records"]["train"] == 1 and m["steps"] == 2
     skipped = json.loads((tmp_path / "o" / "skipped.json").read_text())
     assert skipped["train"]["counts"] == {"missing_field": 1}
@@ -262,7 +246,7 @@ def test_cli_refuses_no_template_and_bad_records_in_one_line_and_lenient_skips(t
     assert [e.value for e in tb.Scalars("eval/eval_loss")] == pytest.approx([e["eval_loss"] for e in m["evals"]])
 
 
-def test_resume_does_not_warn_about_the_tokenizer_files_ftlib_put_beside_the_checkpoint(tmp_path, monkeypatch):
+def test_resume_does_not_warn_about_the_tokenizer_files_ftlib_put_beside_the_checkpoint(tmp_path):
     """Issue 34, item 10: every checkpoint folder gets the tokenizer files (so its adapter serves as it is);
     they are not in the checkpoint's marker, and a resume warned about them (CheckpointWarning, twice).
     ftlib's own files draw no warning; a file someone else copied in still does, once."""
@@ -271,26 +255,25 @@ def test_resume_does_not_warn_about_the_tokenizer_files_ftlib_put_beside_the_che
 
     from ftlib.checkpoint import CheckpointWarning
 
-    rm = _import_reward_model(monkeypatch)
+    rm = reward
     n = torch.get_num_threads()
     common = ["--demo", "--demo-prompts", "4", "--max-steps", "4", "--batch-size", "4", "--save-every", "2",
               "--threads", "1"]
     try:
-        rm.main(common + ["--out", str(tmp_path / "run")])
+        rm.train(common + ["--out", str(tmp_path / "run")])
         ckpts = tmp_path / "run" / "checkpoints"
         shutil.rmtree(ckpts / "step-00000004")
         assert (ckpts / "step-00000002" / "tokenizer_config.json").is_file()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            rm.main(common + ["--out", str(tmp_path / "run"), "--resume"])
+            rm.train(common + ["--out", str(tmp_path / "run"), "--resume"])
         assert not [w for w in caught if issubclass(w.category, CheckpointWarning)], [str(w.message) for w in caught]
         shutil.rmtree(ckpts / "step-00000004")
         (ckpts / "step-00000002" / "notes.txt").write_text("mine")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            rm.main(common + ["--out", str(tmp_path / "run"), "--resume"])
+            rm.train(common + ["--out", str(tmp_path / "run"), "--resume"])
         stray = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
         assert len(stray) == 1 and "notes.txt" in stray[0] and "tokenizer" not in stray[0], stray
     finally:
         torch.set_num_threads(n)
-        sys.modules.pop("reward_model", None)
