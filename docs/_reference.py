@@ -9,8 +9,13 @@ from submodules included.
 One case is written out: a package exporting a name that is also one of its submodules
 (``from .attention import attention`` in ``ftlib/kernels/__init__.py``). Python binds the
 function; griffe, reading the source, keeps the submodule (griffe issue #124), so the page would
-lose the function. Such a name gets its own ``::: <defining module>.<name>`` block on the page,
-under an anchor of the name users import (``ftlib.kernels.attention``), so guides can link it.
+lose the function. Such a name gets its own ``::: <defining module>.<name>`` block on the page
+(link it by that path: ``[attention][ftlib.kernels.attention.attention]``; ``ftlib.kernels.attention``
+is the submodule's page).
+
+A package's public submodules (``ftlib/data/packing.py``, ...) get a page each under the package's:
+the submodule's docstring (the math, the format, the reference) and the names of its ``__all__``
+that the package does not export (those are documented once, on the package's page).
 """
 
 from __future__ import annotations
@@ -70,23 +75,47 @@ def shadowed(module: str) -> list[str]:
     return out
 
 
+def submodules(package: str) -> list[str]:
+    """Dotted names of a package's public submodules and subpackages (none for a module), sorted."""
+    path = ROOT.joinpath(*package.split("."))
+    if not path.is_dir():
+        return []
+    out = []
+    for child in sorted(path.iterdir()):
+        name = child.stem if child.suffix == ".py" else child.name
+        if name.startswith("_"):
+            continue
+        if (child.is_file() and child.suffix == ".py") or (child.is_dir() and (child / "__init__.py").exists()):
+            out.append(f"{package}.{name}")
+    return out
+
+
 def page_path(module: str) -> str:
-    return f"reference/{module.removeprefix('ftlib.')}.md"
+    """``reference/data.md`` for ``ftlib.data``, ``reference/data/packing.md`` for ``ftlib.data.packing``."""
+    return "reference/" + "/".join(module.split(".")[1:]) + ".md"
+
+
+def subpage(module: str, package: str) -> str:
+    """The page of a submodule: its docstring and the ``__all__`` names the package does not export."""
+    own = [n for n in exported(module) if n not in set(exported(package))]
+    members = "[" + ", ".join(own) + "]" if own else "false"
+    return f"::: {module}\n    options:\n      members: {members}\n"
 
 
 def page(module: str) -> str:
     """The Markdown of one reference page."""
     text = f"::: {module}\n"
     for target in shadowed(module):
-        exported_as = f"{module}.{target.rsplit('.', 1)[1]}"  # the name users import: an anchor for links
-        text += (f"\n[](){{#{exported_as}}}\n\n::: {target}\n    options:\n      heading_level: 2\n"
-                 "      show_root_full_path: false\n")
+        text += f"\n::: {target}\n    options:\n      heading_level: 2\n      show_root_full_path: false\n"
     return text
 
 
 def on_config(config):
     """Append the Reference section to the nav: ftlib (the package), then each public module."""
-    pages = [{"ftlib": "reference/index.md"}] + [{m: page_path(m)} for m in public_modules()]
+    pages: list = [{"ftlib": "reference/index.md"}]
+    for m in public_modules():
+        subs = submodules(m)
+        pages.append({m: [{m: page_path(m)}] + [{s: page_path(s)} for s in subs]} if subs else {m: page_path(m)})
     config.nav.append({"Reference": pages})
     return config
 
@@ -95,8 +124,9 @@ def on_files(files, config):
     """Add the generated reference pages to the site's files."""
     modules = public_modules()
     index = ["# API reference", "",
-             "Generated from the docstrings: one page per public module, each listing the names in",
-             "the module's `__all__` (import them from that module).", "",
+             "Generated from the docstrings: one page per public module or package, with every name in",
+             "its `__all__` (import them from there), and under a package one page per submodule: its",
+             "docstring (the math, the format, the reference) and the names only it exports.", "",
              "| module | what it holds |", "|---|---|"]
     for m in modules:
         tree = ast.parse(source_of(m).read_text())
@@ -106,4 +136,6 @@ def on_files(files, config):
     files.append(File.generated(config, "reference/index.md", content="\n".join(index) + "\n"))
     for module in modules:
         files.append(File.generated(config, page_path(module), content=page(module)))
+        for sub in submodules(module):
+            files.append(File.generated(config, page_path(sub), content=subpage(sub, module)))
     return files

@@ -40,19 +40,39 @@ pytestmark = pytest.mark.skipif(
 GUIDES = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs" / "guides").glob("*.md"))
 
 
-def public_api() -> dict[str, list[str]]:
-    """{"ftlib.x": its __all__} for every public top-level module and package of ftlib."""
-    api = {}
-    for path in sorted((ROOT / "ftlib").iterdir()):
+def _all(src: Path) -> list[str]:
+    for node in ast.parse(src.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    return []
+
+
+def _public_children(folder: Path) -> list[tuple[str, Path]]:
+    """(name, source file) of the public modules and packages in a folder."""
+    out = []
+    for path in sorted(folder.iterdir()):
         src = path / "__init__.py" if path.is_dir() else path
-        if path.name.startswith("_") or src.suffix != ".py" or not src.exists():
-            continue
-        names: list[str] = []
-        for node in ast.parse(src.read_text()).body:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
-                names = list(ast.literal_eval(node.value))
-        api[f"ftlib.{path.stem}"] = names
+        if not path.name.startswith("_") and src.suffix == ".py" and src.exists():
+            out.append((path.stem, src))
+    return out
+
+
+def public_api() -> dict[str, tuple[list[str], dict[str, list[str]]]]:
+    """{"ftlib.x": (its __all__, {"ftlib.x.sub": the sub's __all__} for each public submodule)} for every
+    public top-level module and package of ftlib."""
+    api = {}
+    for name, src in _public_children(ROOT / "ftlib"):
+        subs = ({f"ftlib.{name}.{sub}": _all(s) for sub, s in _public_children(src.parent)}
+                if src.name == "__init__.py" else {})
+        api[f"ftlib.{name}"] = (_all(src), subs)
     return api
+
+
+def has_entry(source: str, module: str, name: str) -> bool:
+    """An entry's anchor is its dotted path: ftlib.data.TokenLoader, or (a function exported under the
+    name of its own submodule) ftlib.kernels.attention.attention."""
+    return (f'id="{module}.{name}"' in source
+            or re.search(rf'id="{re.escape(module)}\.[\w.]+\.{re.escape(name)}"', source) is not None)
 
 
 def text_of(page: Path) -> str:
@@ -74,17 +94,22 @@ def site(tmp_path_factory) -> Path:
 def test_every_public_name_has_its_entry(site):
     api = public_api()
     assert {"ftlib.data", "ftlib.lora", "ftlib.models", "ftlib.train"} <= set(api)
+    assert "ftlib.data.packing" in api["ftlib.data"][1]
     missing = {}
-    for module, names in api.items():
+    for module, (names, subs) in api.items():
         page = site / "reference" / module.removeprefix("ftlib.") / "index.html"
         assert page.exists(), f"no reference page for {module}"
         source = page.read_text()
-        # an entry's anchor is its dotted path: ftlib.data.TokenLoader, or (a function exported under
-        # the name of its own submodule) ftlib.kernels.attention.attention
-        gone = [n for n in names if f'id="{module}.{n}"' not in source
-                and not re.search(rf'id="{re.escape(module)}\.[\w.]+\.{re.escape(n)}"', source)]
-        if gone:
+        if gone := [n for n in names if not has_entry(source, module, n)]:
             missing[module] = gone
+        for sub, sub_names in subs.items():
+            sub_page = site / "reference" / Path(*sub.split(".")[1:]) / "index.html"
+            assert sub_page.exists(), f"no reference page for {sub}"
+            sub_source = sub_page.read_text()
+            assert f'id="{sub}"' in sub_source, f"{sub}: its page does not open with the module"
+            # a name the package re-exports is documented on the package's page, the others here
+            if gone := [n for n in sub_names if not (has_entry(sub_source, sub, n) or has_entry(source, module, n))]:
+                missing[sub] = gone
     assert not missing, f"__all__ names without an entry in the reference: {missing}"
 
 

@@ -78,12 +78,7 @@ __all__ = [
     "open_pair_cache",
 ]
 
-LOSS_BIT = 1
-"""Bit of a token's pair-cache flags (uint8): the token carries loss."""
-CHOSEN_BIT = 2
-"""Bit of a token's pair-cache flags: the token belongs to the chosen response."""
-REJECTED_BIT = 4
-"""Bit of a token's pair-cache flags: the token belongs to the rejected response (prompt tokens: 0)."""
+LOSS_BIT, CHOSEN_BIT, REJECTED_BIT = 1, 2, 4
 _LENGTHS = ("prompt_len", "chosen_len", "rejected_len")
 _SCORES = ("reward_chosen", "reward_rejected", "margin")  # float64, stored as their int64 bit patterns
 
