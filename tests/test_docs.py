@@ -1,6 +1,7 @@
-"""The documentation site: ``mkdocs build --strict`` (warnings are errors) succeeds, the API reference
-has a page for every public module of ftlib with every name of its ``__all__``, and the guides are
-all reachable from the home page and from the README.
+"""The documentation site: ``mkdocs build --strict`` (warnings are errors, broken links and
+cross-references included) succeeds, the API reference has a page for every public module of ftlib
+with every name of its ``__all__``, the guides are all reachable from the home page and from the
+README, the backend table is the code's, and the imports, commands and flags the pages show exist.
 
 The expected names are read from the source here (``ast``), not from the docs hook, so a module or a
 name the reference drops fails a test. Needs the ``docs`` extra (in ``dev``: CI installs it).
@@ -188,3 +189,67 @@ def test_backend_table_is_the_code_and_in_one_place():
     others = [p for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")] if p.name != "kernels.md"]
     for page in others:
         assert not re.search(r"^\| `FTLIB_\w+_BACKEND`", page.read_text(), re.M), f"{page}: a second backend table"
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.S | re.M)
+
+
+def _string_literals(paths) -> set[str]:
+    out = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                out.add(node.value)
+    return out
+
+
+def test_python_in_the_docs_imports_public_names():
+    """Every ```python block parses, and each ``from ftlib.x import a, b`` names a public module and
+    names in its ``__all__`` (read from the source: a rename that leaves a guide behind fails here)."""
+    wrong = []
+    for page in _pages():
+        for block in _blocks(page.read_text(), "python"):
+            tree = ast.parse(block)  # a SyntaxError names the block's line
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ftlib":
+                    path = ROOT.joinpath(*node.module.split("."))
+                    src = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+                    if not src.exists():
+                        wrong.append(f"{page.name}: no module {node.module}")
+                        continue
+                    public = set(_all(src)) | {name for name, _ in _public_children(src.parent)
+                                               if src.name == "__init__.py"}
+                    wrong += [f"{page.name}: {node.module}.{a.name} is not in its __all__"
+                              for a in node.names if a.name not in public]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_commands_in_the_docs_exist():
+    """Each ``ftlib <command>`` in a ```bash block is a command of ``ftlib.cli.COMMANDS``, and each
+    ``--flag`` given to it, to an example or to a benchmark script is a flag that code defines."""
+    cli = ast.parse((ROOT / "ftlib/cli/__init__.py").read_text())
+    commands = next(ast.literal_eval(n.value) for n in ast.walk(cli)
+                    if isinstance(n, ast.AnnAssign | ast.Assign) and "COMMANDS" in ast.unparse(n)
+                    and isinstance(n.value, ast.Dict))
+    sources = [*(ROOT / "ftlib").rglob("*.py"), *(ROOT / "examples").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    defined = {s for s in _string_literals(sources) if s.startswith("--")}
+    defined |= {"--no-" + s[2:] for s in defined}  # argparse.BooleanOptionalAction
+    defined |= {"--help", "--version"}
+    wrong = []
+    for page in _pages():
+        for block in _blocks(page.read_text(), "bash"):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split("#", 1)[0]
+                for m in re.finditer(r"(?:^|\s|-m )ftlib (\S+)((?:\s+[^\s|&;]+)*)", line):
+                    if m.group(1) not in commands:
+                        wrong.append(f"{page.name}: ftlib {m.group(1)}: no such command")
+                for m in re.finditer(r"(?:(?:^|\s|-m )ftlib \S+|examples/\S+\.py|benchmarks/\S+\.py)((?:\s+[^\s|&;]+)*)", line):
+                    wrong += [f"{page.name}: {flag} is defined nowhere in ftlib/, examples/, benchmarks/"
+                              for flag in re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", m.group(1))
+                              if flag not in defined]
+    assert not wrong, "\n".join(wrong)
