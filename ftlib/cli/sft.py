@@ -48,7 +48,7 @@ data by rank and the loss is normalised by the target tokens of the whole window
         --seq-len 4096 --batch-size 2 --grad-accum 4 --save-every 200 --out runs/llama3-qlora-fsdp
 
 The flags are shared with the other commands and ``ftlib data build`` (``ftlib.train.cli``;
-the README has the table): ``--lenient`` skips bad records and saves the report in --out;
+docs/guides/sft.md has the table): ``--lenient`` skips bad records and saves the report in --out;
 ``--data`` may be a cache built by ``ftlib data build``; the chat template is the
 tokenizer's unless ``--chat-template`` names one, a run without one is refused, and the template
 used is written beside the adapter, every checkpoint and the merged model; ``--config FILE``

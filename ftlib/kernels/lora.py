@@ -117,15 +117,17 @@ def lora_matmul(
 
     Args:
         x: input [..., in], float16 / bfloat16 / float32 (float64 on the torch backend).
-        weight: the frozen base, a tensor [out, in] (cast to x's dtype if it differs) or an
+        weight (torch.Tensor | NF4Linear): the frozen base, a tensor [out, in] (cast to x's dtype if it differs) or an
             ``NF4Linear`` (dequantized tile by tile inside the kernel; its bias is not used:
             pass ``bias``).
-        lora_A: [r, in]; lora_B: [out, r] (any float dtype; gradients come back in it).
+        lora_A: [r, in] (any float dtype; gradients come back in it).
+        lora_B: [out, r] (any float dtype; gradients come back in it).
         scaling: s (alpha / r, or alpha / sqrt(r) for rsLoRA).
         bias: [out] or None, frozen.
         dropout_p: LoRA dropout on the adapter's input, in [0, 1) (realised to 2^-16).
-        seed, offset: the dropout stream, integers in [0, 2^62); the same pair gives the same mask
-            on every backend (``ftlib.kernels.lora_ref.dropout_mask_ref``).
+        seed: the dropout stream's seed, an integer in [0, 2^62); the same (seed, offset) pair
+            gives the same mask on every backend (``ftlib.kernels.lora_ref.dropout_mask_ref``).
+        offset: the dropout stream's offset, an integer in [0, 2^62).
         magnitude: DoRA's m [out] (trainable), or None for LoRA.
         weight_norm: DoRA's n = ||W + s B A||_row [out], treated as a constant; computed with
             ``ftlib.lora.dora_row_norm`` when None (``LoRALinear`` passes its cached one).

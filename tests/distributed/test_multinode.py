@@ -5,7 +5,7 @@ Shard within a node, replicate across nodes (``device_mesh(shard=LOCAL_WORLD_SIZ
 4 ranks takes 1 row of every global step, the one-process reference all 4. fp32 on CPU (gloo):
 the per-step losses, token counts, gradient norms, the trained tensors and the exported adapter
 equal one process's up to the rounding of another summation order (token counts and
-skips exactly). The README's recipe itself (``ftlib sft --engine fsdp
+skips exactly). The multi-node recipe of docs/guides/multi-gpu.md itself (``ftlib sft --engine fsdp
 --shard-size 2`` on the demo) gives the losses and the adapter of ``--engine none`` in one process.
 """
 
@@ -70,7 +70,7 @@ def _step_losses(out: Path) -> dict[int, float]:
 
 
 def test_example_recipe_on_two_nodes_trains_like_one_process(tmp_path):
-    """The README's multi-node recipe, as the user runs it: ``ftlib sft --engine fsdp
+    """The multi-node recipe of docs/guides/multi-gpu.md, as the user runs it: ``ftlib sft --engine fsdp
     --shard-size 2`` on 2 nodes x 2 ranks (1 row each) against ``--engine none`` in one process (4 rows),
     the demo's model and data, no dropout: the same per-step losses and the same adapter."""
     if not (dist.is_available() and dist.is_gloo_available()):
