@@ -151,3 +151,14 @@ def test_triton_refuses_bad_key_segments():
         attention_triton(q, k, v, cu_seqlens=cq, cu_seqlens_k=ck, max_seqlen_k=4)
     with pytest.raises(ValueError, match="cu_seqlens_k has 1 segments"):
         attention_triton(q, k, v, cu_seqlens=cq, cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32))
+
+
+def test_the_cpu_kernel_is_not_chosen_for_separate_keys(monkeypatch):
+    """The CPU wing's kernel has no key segments: auto takes SDPA, forcing it is an error naming why."""
+    from ftlib.kernels import attention_backend
+
+    q, k, v, cq, ck = _inputs(PAIRS, torch.float32)
+    assert attention_backend(q, None, k, v, separate_k=True) == "sdpa"
+    monkeypatch.setenv("FTLIB_ATTN_BACKEND", "cpu")
+    with pytest.raises(RuntimeError, match="no separate key segments"):
+        attention(q, k, v, cu_seqlens=cq, cu_seqlens_k=ck)
