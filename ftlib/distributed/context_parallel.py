@@ -8,25 +8,27 @@ RoPE positions stay global (each token keeps its position inside its document, a
 process) and the labels are shifted before sharding (the target of token t is token t+1, which
 may live on another rank), so each rank's loss covers exactly its own tokens.
 
-Attention. Every layer all-gathers K and V over the group (``all_gather_into_tensor``) and each
-rank attends with its 2c local queries over the whole sequence's keys, block by block: for each
-local query chunk a and each of the 2P gathered key chunks b with chunk id(b) <= id(a) (the
-blocks the causal mask leaves visible), the partial result over that block is
+Attention. Every layer all-gathers K and V over the group (``all_gather_into_tensor``), so every
+rank holds the whole sequence's keys and no log-sum-exp merge across blocks is needed: for each
+local chunk [c0, c1) and each packed document [d0, d1) that meets it, the queries are
+doc ∩ chunk = [max(d0, c0), min(d1, c1)) and the keys [d0, min(d1, c1)) (with a sliding window W,
+from max(d0, q0 - W + 1): no key before it is in any of those queries' windows). Query and key
+segments END at the same global position, so with positions counted from each segment's end
 
-    s_ij   = scale * <q_i, k_j>        (softcap c: c * tanh(s_ij / c)),   j visible from i:
-             j <= i,  doc(j) == doc(i),  (sliding window W: j > i - W)       (global indices)
-    lse_b  = log sum_j exp(s_ij),      o_b = sum_j exp(s_ij - lse_b) v_j
+    query i of the segment sees key j   <=>   j <= i + (Tk - Tq)   (and j > i + (Tk - Tq) - W)
 
-and the partials merge exactly by their log-sum-exps (online softmax):
-
-    lse = log(exp(lse_1) + exp(lse_2)),   o = exp(lse_1 - lse) o_1 + exp(lse_2 - lse) o_2.
-
-Documents crossing chunk (and rank) boundaries are exact because the mask is written on global
-token indices and document ids; tiles no query of which can see a key (other documents, the
-window) are skipped. Grouped-query attention views the Hq query heads as [Hkv, Hq / Hkv]; K and V
-are never repeated. Backward (``_ZigzagAttention``) recomputes each tile's probabilities from the
-saved final lse (no T x T tensor is kept: Dao 2023, FlashAttention-2, Algorithm 2) and returns
-dK, dV for the whole gathered sequence; the all-gather's backward (``_AllGather``) is their
+is the causal (and window) mask on global indices, which is exactly varlen attention with separate
+``cu_seqlens_q`` / ``cu_seqlens_k`` and bottom-right-aligned causal (flash-attn's
+``flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)``): one call of
+``ftlib.kernels.attention`` per layer (flash-attn, the Triton kernel, SDPA, each by the op's own
+backend choice) on the local queries [2c, Hq, D] against the keys of the segments, gathered by one
+``index_select`` of the all-gathered rows ([<= (2P + 1) c, Hkv, D]: the chunk of rank r sees
+(r + 1) c keys at most, its mirror (2P - r) c). The segment boundaries and that row index are built
+on the host once per batch and window (``_segment_plan``, cached on the layout): no device sync per
+layer. Documents crossing chunk (and rank) boundaries are exact because the segments are cut on
+global positions; the kernels skip the key tiles above each pair's diagonal and outside its window.
+Backward is the kernel's (dQ, and dK, dV of the segments' rows, which the ``index_select``'s
+backward sums into the gathered rows); the all-gather's backward (``_AllGather``) is their
 reduce-scatter (``reduce_scatter_tensor``, summed), so each rank gets the gradient of the keys and
 values it owns from every rank's queries.
 
@@ -36,9 +38,14 @@ bf16 q and output), one collective per layer instead of 2P - 1 dependent steps, 
 mask over global indices needs no per-step bookkeeping; it is the choice of Llama 3's context
 parallelism (Dubey et al. 2024, section 3.3.2, for the same two reasons). The cost is the whole
 sequence's K/V of one layer existing at once (4 KiB a token, recomputed under checkpointing);
-a ring would keep two blocks. The block loop and its lse merge are the same as ring attention
-(Liu et al. 2023, "Ring Attention with Blockwise Transformers"; zigzag: Zhu 2024,
-ring-flash-attention), with the blocks arriving by one all-gather instead of a ring.
+a ring would keep two blocks. The zigzag is ring-flash-attention's load balance (Zhu 2024), with
+the blocks arriving by one all-gather instead of a ring (Liu et al. 2023, "Ring Attention with
+Blockwise Transformers").
+
+Memory per layer (the attention alone, bf16, Hkv heads of D, 2c local tokens, T = 2Pc): the
+gathered K/V (2 T Hkv D 2 bytes), the segments' K/V (<= 2 (2P + 1) c Hkv D 2 bytes), O and the
+fp32 lse (2c Hq); no [2c, T] score tensor exists (the kernels keep their tiles in registers /
+shared memory; SDPA, the CPU path, holds one segment pair's scores at a time).
 
 Why not ``torch.distributed.tensor.experimental.context_parallel``: it serves plain causal SDPA
 (``F.scaled_dot_product_attention`` with ``is_causal=True``, patched while the context manager is
@@ -59,9 +66,6 @@ forward returned, attends over the ring again; a context manager open around the
 would leave it attending locally, silently. A marked call that is not the shard's causal
 self-attention (another length, a key padding mask) raises.
 
-The block math here is PyTorch (float32 scores, float64 stays float64), tiled by ``tile`` rows
-each way: exact and O(tile^2) memory, the test oracle of the layout; not a fused kernel.
-
     group, g = context_groups(4)                      # 4 ranks a sequence; group g takes sequence g
     train = shard_model(ContextParallelLMLoss(model))  # FSDP2 over every rank (optional)
     shard = zigzag_shard(batch_of_group_g, group)      # {input_ids, position_ids, targets, layout} of this rank
@@ -71,12 +75,13 @@ each way: exact and O(tile^2) memory, the test oracle of the layout; not a fused
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..kernels import attention
 from ..losses import IGNORE_INDEX, chunked_cross_entropy, head_weight
 
 __all__ = [
@@ -118,6 +123,7 @@ class ZigzagLayout:
     doc: torch.Tensor
     pad: int = 0
     group: object = None
+    _plans: dict = field(default_factory=dict, repr=False, compare=False)  # (window, device) -> _SegmentPlan
 
     @property
     def chunk(self) -> int:
@@ -205,111 +211,61 @@ def _chunk_id(world: int, rank: int, half: int) -> int:
     return rank if half == 0 else 2 * world - 1 - rank
 
 
-def _visible_blocks(world: int, rank: int) -> list[tuple[int, int]]:
-    """(local query chunk 0|1, gathered key chunk 0..2P-1) pairs the causal mask leaves something of.
+def _segment_plan(layout: ZigzagLayout, window: int | None) -> list[tuple[int, int, int, int, int]]:
+    """(half, q0, q1, k0, k1) global positions of every query segment of this rank, in local row order.
 
-    Gathered chunk 2r' + s holds chunk id ``_chunk_id(P, r', s)``; a key chunk is visible from a
-    query chunk when its id is not larger (equal: the diagonal block, causal inside). Rank r scores
-    (r + 1) + (2P - r) = 2P + 1 blocks, the same on every rank: the zigzag's load balance.
+    Queries [q0, q1) = document ∩ chunk, keys [k0, k1) with k1 = q1 (the segments end together: the
+    bottom-right causal alignment is the global causal mask) and k0 the document's start, or with a
+    window W the first key any of the queries can see, max(d0, q0 - W + 1).
     """
-    return [(a, 2 * src + s) for a in range(2) for src in range(world) for s in range(2)
-            if _chunk_id(world, src, s) <= _chunk_id(world, rank, a)]
+    doc, c = layout.doc, layout.chunk
+    cuts = (torch.nonzero(doc[1:] != doc[:-1]).flatten() + 1).tolist()
+    bounds = [0, *cuts, layout.total]
+    plan = []
+    for half in range(2):
+        c0 = _chunk_id(layout.world, layout.rank, half) * c
+        c1 = c0 + c
+        for d0, d1 in zip(bounds, bounds[1:]):
+            q0, q1 = max(d0, c0), min(d1, c1)
+            if q1 > q0:
+                k0 = d0 if window is None else max(d0, q0 - window + 1)
+                plan.append((half, q0, q1, k0, q1))
+    return plan
 
 
-def _tile_mask(qi, kj, qdoc, kdoc, window):
-    """(tq, tk) bool: key j visible from query i (global indices): causal, same document, in the window."""
-    m = (kj[None, :] <= qi[:, None]) & (kdoc[None, :] == qdoc[:, None])
-    if window is not None:
-        m &= kj[None, :] > qi[:, None] - window
-    return m
+@dataclass
+class _SegmentPlan:
+    """The attention call of one layout and window: query / key segments and the gathered rows of the keys."""
+
+    cu_q: torch.Tensor  # int32 [S + 1] over the 2c local rows
+    cu_k: torch.Tensor  # int32 [S + 1] over the rows of ``rows``
+    rows: torch.Tensor  # int64 [Nk]: the all-gathered row of every key of every segment
+    max_q: int
+    max_k: int
 
 
-def _tiles(layout: ZigzagLayout, tile: int, window, device):
-    """(q rows, k rows, mask) of every tile that has a visible pair: local query rows, gathered key rows."""
-    c = layout.chunk
-    q_idx, k_idx = layout.indices(), layout.gathered_indices()
-    for a, b in _visible_blocks(layout.world, layout.rank):
-        q0, k0 = a * c, b * c
-        for qs in range(q0, q0 + c, tile):
-            qr = slice(qs, min(qs + tile, q0 + c))
-            qi = q_idx[qr]
-            qd = layout.doc[qi]
-            for ks in range(k0, k0 + c, tile):
-                kr = slice(ks, min(ks + tile, k0 + c))
-                kj = k_idx[kr]
-                kd = layout.doc[kj]
-                if int(kj[0]) > int(qi[-1]) or int(kd[0]) > int(qd[-1]) or int(kd[-1]) < int(qd[0]):
-                    continue  # after every query, or no document in common
-                if window is not None and int(kj[-1]) <= int(qi[0]) - window:
-                    continue
-                yield qr, kr, _tile_mask(qi, kj, qd, kd, window).to(device)
-
-
-def _scores(q, k, scale, softcap, mask):
-    """(Hkv, G, tq, tk) masked scores and, with a softcap, the capped ones' tanh for the backward."""
-    s = torch.einsum("qhgd,khd->hgqk", q, k) * scale
-    th = None
-    if softcap is not None:
-        th = torch.tanh(s / softcap)
-        s = softcap * th
-    return s.masked_fill(~mask, float("-inf")), th
-
-
-class _ZigzagAttention(torch.autograd.Function):
-    """o [2c, Hq, D] of the local queries over the gathered keys; backward recomputes tile by tile."""
-
-    @staticmethod
-    def forward(ctx, q, k_all, v_all, layout, scale, window, softcap, tile):
-        n, hq, d = q.shape
-        hkv = k_all.shape[1]
-        acc = torch.promote_types(q.dtype, torch.float32)
-        qg = q.view(n, hkv, hq // hkv, d).to(acc)
-        kf, vf = k_all.to(acc), v_all.to(acc)
-        o = torch.zeros(n, hkv, hq // hkv, d, dtype=acc, device=q.device)
-        lse = torch.full((hkv, hq // hkv, n), float("-inf"), dtype=acc, device=q.device)
-        for qr, kr, mask in _tiles(layout, tile, window, q.device):
-            s, _ = _scores(qg[qr], kf[kr], scale, softcap, mask)
-            blk = torch.logsumexp(s, dim=-1)  # (Hkv, G, tq); -inf where the tile shows a row nothing
-            p = torch.exp(s - torch.where(torch.isinf(blk), 0.0, blk)[..., None])
-            ob = torch.einsum("hgqk,khd->qhgd", p, vf[kr])
-            new = torch.logaddexp(lse[..., qr], blk)
-            safe = torch.where(torch.isinf(new), 0.0, new)
-            wa = torch.exp(lse[..., qr] - safe).permute(2, 0, 1)[..., None]  # (tq, Hkv, G, 1)
-            wb = torch.exp(blk - safe).permute(2, 0, 1)[..., None]
-            o[qr] = o[qr] * wa + ob * wb
-            lse[..., qr] = new
-        ctx.save_for_backward(q, k_all, v_all, o, lse)
-        ctx.layout, ctx.scale, ctx.window, ctx.softcap, ctx.tile = layout, scale, window, softcap, tile
-        return o.to(q.dtype).view(n, hq, d)
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k_all, v_all, o, lse = ctx.saved_tensors
-        n, hq, d = q.shape
-        hkv = k_all.shape[1]
-        acc = o.dtype
-        qg = q.view(n, hkv, hq // hkv, d).to(acc)
-        kf, vf = k_all.to(acc), v_all.to(acc)
-        do = grad.reshape(n, hkv, hq // hkv, d).to(acc)
-        delta = (do * o).sum(-1).permute(1, 2, 0)  # (Hkv, G, n): rowsum(dO * O)
-        lse_safe = torch.where(torch.isinf(lse), 0.0, lse)
-        dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(kf), torch.zeros_like(vf)
-        for qr, kr, mask in _tiles(ctx.layout, ctx.tile, ctx.window, q.device):
-            s, th = _scores(qg[qr], kf[kr], ctx.scale, ctx.softcap, mask)
-            p = torch.exp(s - lse_safe[..., qr, None])  # (Hkv, G, tq, tk), 0 where masked
-            dv[kr] += torch.einsum("hgqk,qhgd->khd", p, do[qr])
-            dp = torch.einsum("qhgd,khd->hgqk", do[qr], vf[kr])
-            ds = p * (dp - delta[..., qr, None])
-            if th is not None:  # d(c tanh(x / c))/dx = 1 - tanh^2
-                ds = ds * (1 - th * th)
-            dq[qr] += torch.einsum("hgqk,khd->qhgd", ds, kf[kr]) * ctx.scale
-            dk[kr] += torch.einsum("hgqk,qhgd->khd", ds, qg[qr]) * ctx.scale
-        return (dq.view(n, hq, d).to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype),
-                None, None, None, None, None)
+def _plan(layout: ZigzagLayout, window: int | None, device) -> _SegmentPlan:
+    """``_segment_plan`` as tensors on ``device``, built on the host once per layout and window."""
+    key = (window, str(device))
+    hit = layout._plans.get(key)
+    if hit is not None:
+        return hit
+    plan = _segment_plan(layout, window)
+    where = torch.empty(layout.total, dtype=torch.int64)  # global position -> all-gathered row
+    where[layout.gathered_indices()] = torch.arange(layout.total)
+    lq = [q1 - q0 for _, q0, q1, _, _ in plan]
+    lk = [k1 - k0 for _, _, _, k0, k1 in plan]
+    if sum(lq) != 2 * layout.chunk:
+        raise AssertionError(f"context parallel: the segments cover {sum(lq)} of the {2 * layout.chunk} local rows")
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    rows = torch.cat([where[k0:k1] for _, _, _, k0, k1 in plan])
+    out = _SegmentPlan(cu(lq).to(device), cu(lk).to(device), rows.to(device), max(lq), max(lk))
+    layout._plans[key] = out
+    return out
 
 
 def context_parallel_attention(q, k, v, layout: ZigzagLayout, *, softmax_scale=None, sliding_window=None,
-                               softcap=None, tile: int = 512, gather=None):
+                               softcap=None, gather=None):
     """Causal varlen attention of this rank's 2c queries over the whole sharded sequence (module doc).
 
     q [2c, Hq, D], k/v [2c, Hkv, D] (this rank's tokens, ``zigzag_shard`` order). ``gather``: how
@@ -323,7 +279,6 @@ def context_parallel_attention(q, k, v, layout: ZigzagLayout, *, softmax_scale=N
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"context_parallel_attention: {q.shape[1]} query heads are not a multiple of "
                          f"{k.shape[1]} key/value heads")
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if gather is None:
         if layout.world == 1:
             k_all, v_all = k, v
@@ -332,10 +287,15 @@ def context_parallel_attention(q, k, v, layout: ZigzagLayout, *, softmax_scale=N
             v_all = _AllGather.apply(v, layout.group, layout.world)
     else:
         k_all, v_all = gather(k), gather(v)
-    return _ZigzagAttention.apply(q, k_all, v_all, layout, float(scale), sliding_window, softcap, int(tile))
+    plan = _plan(layout, sliding_window, q.device)
+    # (Nk, Hkv, D): each segment's keys, rows of the gathered sequence (the first chunk's repeated in the mirror's)
+    ks, vs = k_all.index_select(0, plan.rows), v_all.index_select(0, plan.rows)
+    return attention(q, ks, vs, causal=True, cu_seqlens=plan.cu_q, max_seqlen=plan.max_q, cu_seqlens_k=plan.cu_k,
+                     max_seqlen_k=plan.max_k, softmax_scale=softmax_scale, sliding_window=sliding_window,
+                     softcap=softcap)
 
 
-_SHARDS = WeakIdKeyDictionary()  # marker cu_seqlens tensor -> (layout, tile)
+_SHARDS = WeakIdKeyDictionary()  # marker cu_seqlens tensor -> layout
 
 
 def _install_dispatch() -> None:
@@ -353,13 +313,13 @@ def _install_dispatch() -> None:
             return inner(q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                          softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
                          sliding_window=sliding_window, softcap=softcap)
-        layout, tile = entry
+        layout = entry
         n = 2 * layout.chunk
         if not causal or key_padding_mask is not None or q.dim() != 3 or q.shape[0] != n:
             raise RuntimeError(f"context parallel: the model attended over {tuple(q.shape)} (causal={causal}, key "
                                f"mask {key_padding_mask is not None}); the shard is {n} tokens in one packed row")
         return context_parallel_attention(q, k, v, layout, softmax_scale=softmax_scale, sliding_window=sliding_window,
-                                          softcap=softcap, tile=tile)
+                                          softcap=softcap)
 
     attention.zigzag_dispatch = True
     attention.__doc__ = f"{inner.__doc__ or ''}\n\n(ftlib.distributed.context_parallel: shard_segments markers " \
@@ -367,17 +327,17 @@ def _install_dispatch() -> None:
     llama.attention = attention
 
 
-def shard_segments(layout: ZigzagLayout, device=None, *, tile: int = 512) -> torch.Tensor:
+def shard_segments(layout: ZigzagLayout, device=None) -> torch.Tensor:
     """The ``cu_seqlens`` ([0, 2c] int32) to run this rank's shard with: ftlib's decoder then attends over the
     whole sharded sequence (module doc), in forward and in any recomputation of it in backward."""
     n = 2 * layout.chunk
     cu = torch.tensor([0, n], dtype=torch.int32, device=device)
     _install_dispatch()
-    _SHARDS[cu] = (layout, int(tile))
+    _SHARDS[cu] = layout
     return cu
 
 
-def context_parallel_loss(model, batch: dict, *, tile: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+def context_parallel_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed token loss, target count) of this rank's tokens of a ``zigzag_shard`` batch, as ``causal_lm_loss``.
 
     Summed over the group both are the one-process ``causal_lm_loss``'s. So a loop treats the ranks
@@ -387,7 +347,7 @@ def context_parallel_loss(model, batch: dict, *, tile: int = 512) -> tuple[torch
     """
     layout, ids, targets = batch["layout"], batch["input_ids"], batch["targets"]
     n = ids.shape[1]
-    cu = shard_segments(layout, ids.device, tile=tile)
+    cu = shard_segments(layout, ids.device)
     hidden = model.model(ids, position_ids=batch["position_ids"], cu_seqlens=cu, max_seqlen=n)
     # chunked_cross_entropy shifts (hidden[:, :-1] predicts labels[:, 1:]): one label-free row in front of the
     # targets and one hidden row after the shard's make that shift the identity
@@ -402,12 +362,12 @@ class ContextParallelLMLoss(torch.nn.Module):
     """``shard -> context_parallel_loss(model, shard)`` as a module: the one FSDP2 wraps (``shard_model``),
     as ``ftlib.losses.CausalLMLoss`` is for whole sequences (the head's weight is read inside its forward)."""
 
-    def __init__(self, model: torch.nn.Module, *, tile: int = 512):
+    def __init__(self, model: torch.nn.Module):
         super().__init__()
-        self.model, self.tile = model, tile
+        self.model = model
 
     def forward(self, shard: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return context_parallel_loss(self.model, shard, tile=self.tile)
+        return context_parallel_loss(self.model, shard)
 
 
 def context_groups(size: int):

@@ -107,7 +107,8 @@ plus one [rows, V] fp32 logit block. Without checkpointing a block keeps its who
 input included) and every block is counted. Context parallelism over N ranks
 (``ftlib.distributed.context_parallel``): every term above at T / N tokens per rank, plus the
 all-gathered K and V of the layer in flight and their gradients, 2 x 2 a Hkv D per token of the
-whole sequence. The per-block terms with chunking are what autograd saves (tests/distributed/
+whole sequence, and as much again for the key segments the local queries attend over (the
+gathered rows of their documents: at most (2N + 1) / 2 rows per local token). The per-block terms with chunking are what autograd saves (tests/distributed/
 test_memory.py measures them with saved-tensor hooks at tiny sizes; the gradient working set and
 the attention kernel's are stated, not measured on CPU).
 
@@ -401,8 +402,9 @@ def estimate_memory(config, *, method: str = "lora", gpus: int = 1, shard_size: 
                              mlp_chunks=mlp_chunks, grad_ckpt=grad_ckpt, activation_offload=activation_offload)
     acts = math.ceil(sum(g for _, g, _ in terms) * t)
     act_host = math.ceil(sum(hb for _, _, hb in terms) * t)
-    if cp > 1:  # the all-gathered K and V of one layer and their gradients, for the whole sequence
-        acts += 2 * 2 * 2 * config.num_key_value_heads * config.head_dim * t * cp
+    if cp > 1:  # the all-gathered K and V of one layer and their gradients, for the whole sequence, and the key
+        # segments' K and V (the rows of the local queries' documents, (2 cp + 1) / 2 per local token) and theirs
+        acts += 2 * 2 * 2 * config.num_key_value_heads * config.head_dim * (t * cp + t * (2 * cp + 1) // 2)
     rows = loss_chunk or auto_chunk_size(config.vocab_size)
     acts += min(rows, t) * config.vocab_size * 4
     host = (persistent + grads + opt if cpu_offload else 0) + act_host

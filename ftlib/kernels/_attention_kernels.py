@@ -21,6 +21,13 @@ Masking: key j is visible to query i when both lie in the same document and, if
 causal, j <= i + (Tk - Tq) (bottom-right alignment, as ``attention_ref``). Rows
 that see no key return zeros and lse = -inf, and get zero gradient.
 
+Separate key segments (``SEPARATE_K``, varlen only): program b reads query segment b from
+``CU_SEQLENS`` and key segment b from ``CU_SEQLENS_K``; Tq and Tk are then that pair's lengths and
+the bottom-right diagonal ``diag = Tk - Tq`` puts the two segments' last rows at the same position
+(flash-attn's varlen convention with cu_seqlens_q != cu_seqlens_k). Every tile rule below is
+written in ``diag``, so key tiles wholly above the diagonal or outside the window are skipped per
+pair exactly as for dense Tq != Tk. Without it ``CU_SEQLENS_K`` is not read (Tk = Tq).
+
 Two constexpr variants (Mistral / Gemma): ``HAS_WINDOW`` also hides keys j <= i + (Tk - Tq) - W
 (``window`` W, the last W positions stay visible); key tiles wholly outside every row's window are
 never visited (the loops start at the first tile a row of the program can see), and every visited
@@ -153,13 +160,13 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kt, stride_vt, offs_m, off
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS, qk_scale,
+    Q, K, V, O, LSE, CU_SEQLENS, CU_SEQLENS_K, qk_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, group, window, cap_a, cap_b,
     IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SEPARATE_K: tl.constexpr = False,
 ):
     # Late causal tiles do the most work: launch them first to shorten the tail.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -175,11 +182,17 @@ def _fwd_kernel(
     if IS_VARLEN:
         start = tl.load(CU_SEQLENS + b)
         len_q = tl.load(CU_SEQLENS + b + 1) - start
-        len_k = len_q
+        if SEPARATE_K:  # key segment b of its own, ending where query segment b ends (bottom-right)
+            start_k = tl.load(CU_SEQLENS_K + b)
+            len_k = tl.load(CU_SEQLENS_K + b + 1) - start_k
+        else:
+            start_k = start
+            len_k = len_q
         start64 = start.to(tl.int64)
+        startk64 = start_k.to(tl.int64)
         q_ptr += start64 * stride_qt
-        k_ptr += start64 * stride_kt
-        v_ptr += start64 * stride_vt
+        k_ptr += startk64 * stride_kt
+        v_ptr += startk64 * stride_vt
         o_ptr += start64 * stride_ot
         lse_ptr += start64
     else:
@@ -305,14 +318,14 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qt, 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window"])
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, CU_SEQLENS, qk_scale, sm_scale,
+    Q, K, V, DO, DK, DV, LSE, DELTA, CU_SEQLENS, CU_SEQLENS_K, qk_scale, sm_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, group, window, cap_a, cap_b,
     IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SEPARATE_K: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
@@ -329,12 +342,18 @@ def _bwd_dkdv_kernel(
     if IS_VARLEN:
         start = tl.load(CU_SEQLENS + b)
         len_q = tl.load(CU_SEQLENS + b + 1) - start
-        len_k = len_q
+        if SEPARATE_K:  # key segment b of its own, ending where query segment b ends (bottom-right)
+            start_k = tl.load(CU_SEQLENS_K + b)
+            len_k = tl.load(CU_SEQLENS_K + b + 1) - start_k
+        else:
+            start_k = start
+            len_k = len_q
         start64 = start.to(tl.int64)
-        k_ptr += start64 * stride_kt
-        v_ptr += start64 * stride_vt
-        dk_ptr += start64 * stride_dkt
-        dv_ptr += start64 * stride_dvt
+        startk64 = start_k.to(tl.int64)
+        k_ptr += startk64 * stride_kt
+        v_ptr += startk64 * stride_vt
+        dk_ptr += startk64 * stride_dkt
+        dv_ptr += startk64 * stride_dvt
         q_base += start64 * stride_qt
         do_base += start64 * stride_dot
         lse_base += start64
@@ -431,14 +450,14 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kt, stride_vt, of
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window"])
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, CU_SEQLENS, qk_scale, sm_scale,
+    Q, K, V, DO, DQ, LSE, DELTA, CU_SEQLENS, CU_SEQLENS_K, qk_scale, sm_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, group, window, cap_a, cap_b,
     IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SEPARATE_K: tl.constexpr = False,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)  # document (varlen) or batch row (dense)
@@ -455,11 +474,17 @@ def _bwd_dq_kernel(
     if IS_VARLEN:
         start = tl.load(CU_SEQLENS + b)
         len_q = tl.load(CU_SEQLENS + b + 1) - start
-        len_k = len_q
+        if SEPARATE_K:  # key segment b of its own, ending where query segment b ends (bottom-right)
+            start_k = tl.load(CU_SEQLENS_K + b)
+            len_k = tl.load(CU_SEQLENS_K + b + 1) - start_k
+        else:
+            start_k = start
+            len_k = len_q
         start64 = start.to(tl.int64)
+        startk64 = start_k.to(tl.int64)
         q_ptr += start64 * stride_qt
-        k_ptr += start64 * stride_kt
-        v_ptr += start64 * stride_vt
+        k_ptr += startk64 * stride_kt
+        v_ptr += startk64 * stride_vt
         do_ptr += start64 * stride_dot
         dq_ptr += start64 * stride_dqt
         lse_ptr += start64

@@ -112,13 +112,16 @@ def _choose(want: str, *, is_cuda: bool, dtype: torch.dtype, head_dim: int, mask
 
 def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = None, k: torch.Tensor | None = None,
                       v: torch.Tensor | None = None, *, sliding_window: int | None = None,
-                      softcap: float | None = None) -> str:
+                      softcap: float | None = None, separate_k: bool = False) -> str:
     """Name of the backend (``flash``, ``triton``, ``sdpa``, ``cpu`` or ``torch``) ``attention`` uses for
-    this call (k and v default to q's shape: pass them for grouped-query heads)."""
+    this call (k and v default to q's shape: pass them for grouped-query heads; ``separate_k``: the call
+    has key segments of its own, ``cu_seqlens_k``)."""
     want = backend_choice(_VAR)
     cpu_why = None if q.is_cuda and want == "auto" else attention_cpu_unsupported(
         q, q if k is None else k, q if v is None else v, key_padding_mask=key_padding_mask,
         sliding_window=sliding_window, softcap=softcap)
+    if separate_k and cpu_why is None:
+        cpu_why = "the C++ kernel has no separate key segments (cu_seqlens_k)"
     return _choose(
         want, is_cuda=q.is_cuda, dtype=q.dtype, head_dim=q.shape[-1], masked=key_padding_mask is not None,
         have_flash=(q.is_cuda or want == "flash") and _installed("flash_attn"),
@@ -127,7 +130,8 @@ def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = N
     )
 
 
-def _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale, sliding_window=None, softcap=None):
+def _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale, sliding_window=None, softcap=None,
+           cu_seqlens_k=None, max_seqlen_k=None):
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -137,8 +141,9 @@ def _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale, sliding_windo
     if softcap is not None:
         extras["softcap"] = float(softcap)
     if q.dim() == 4:  # (B, T, H, D): flash-attn's own layout; causal is bottom-right aligned too
-        if cu_seqlens is not None:
-            raise ValueError("attention: cu_seqlens is for the varlen layout [N, H, D]; q is dense [B, T, H, D]")
+        if cu_seqlens is not None or cu_seqlens_k is not None:
+            raise ValueError("attention: cu_seqlens / cu_seqlens_k are for the varlen layout [N, H, D]; q is dense "
+                             "[B, T, H, D]")
         return flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, **extras)
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
@@ -146,26 +151,43 @@ def _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale, sliding_windo
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    if cu_seqlens_k is None:  # keys in the queries' segments
+        cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+    else:  # a segment pair each, causal bottom-right aligned per pair (flash-attn >= 2.1)
+        check_cu_seqlens_dtype(cu_seqlens_k)
+        cu_seqlens_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
+        if cu_seqlens_k.numel() != cu_seqlens.numel():
+            raise ValueError(f"attention: cu_seqlens_k has {cu_seqlens_k.numel() - 1} segments, cu_seqlens "
+                             f"{cu_seqlens.numel() - 1}; each query segment needs its key segment")
+        if max_seqlen_k is None:
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if cu_seqlens_k.numel() > 1 else 0
     return flash_attn_varlen_func(
-        q, k, v, cu_seqlens, cu_seqlens, int(max_seqlen), int(max_seqlen),
+        q, k, v, cu_seqlens, cu_seqlens_k, int(max_seqlen), int(max_seqlen_k),
         dropout_p=0.0, softmax_scale=scale, causal=causal, **extras,
     )
 
 
 def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax_scale=None, key_padding_mask=None,
-              sliding_window=None, softcap=None):
+              sliding_window=None, softcap=None, cu_seqlens_k=None, max_seqlen_k=None):
     """Attention over dense [B, T, H, D] or packed varlen [N, H, D] inputs (GQA allowed).
+
+    ``cu_seqlens_k`` / ``max_seqlen_k`` (varlen): keys k, v [Nk, Hkv, D] in segments of their own,
+    query segment s over key segment s, causal bottom-right aligned per pair (flash-attn's
+    ``flash_attn_varlen_func`` with cu_seqlens_q != cu_seqlens_k); default: the queries'.
 
     Same semantics on every backend: see ``attention_ref`` for layouts, bottom-right causal
     alignment, fully masked rows, ``sliding_window`` and ``softcap``; ``attention_backend`` for
     which backend runs.
     """
     check_window_softcap(sliding_window, softcap)
-    backend = attention_backend(q, key_padding_mask, k, v, sliding_window=sliding_window, softcap=softcap)
+    backend = attention_backend(q, key_padding_mask, k, v, sliding_window=sliding_window, softcap=softcap,
+                                separate_k=cu_seqlens_k is not None)
     extras = dict(sliding_window=sliding_window, softcap=softcap)
     if backend == "cpu":
         return attention_cpu(q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                              softmax_scale=softmax_scale)
+    if cu_seqlens_k is not None:
+        extras.update(cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
     if backend == "flash":
         return _flash(q, k, v, causal, cu_seqlens, max_seqlen, softmax_scale, **extras)
     if backend == "triton":

@@ -25,7 +25,12 @@ Layouts (the ones ``ftlib.kernels.attention`` accepts):
   [B, Tk] (True/1 = real token);
 - varlen: q [N, Hq, D], k/v [N, Hkv, D] with ``cu_seqlens`` int32 [n_docs + 1]
   (cumulative document starts over the N packed tokens); no query attends
-  outside its document.
+  outside its document;
+- varlen with separate key segments: q [Nq, Hq, D] with ``cu_seqlens``, k/v [Nk, Hkv, D] with
+  ``cu_seqlens_k`` (as many segments): query segment s attends to key segment s only, causal
+  bottom-right aligned per pair (``j <= i + (Tk_s - Tq_s)``: the two segments end at the same
+  position), the window likewise; flash-attn's ``flash_attn_varlen_func(q, k, v, cu_seqlens_q,
+  cu_seqlens_k, ...)``. Context parallelism uses it: local queries over the gathered keys.
 
 Grouped-query attention is computed by viewing the Hq query heads as
 [Hkv, Hq/Hkv] groups; K and V are never repeated in memory. Scores are computed
@@ -38,7 +43,8 @@ import math
 
 import torch
 
-__all__ = ["attention_ref", "check_attention_inputs", "check_cu_seqlens", "check_cu_seqlens_dtype", "check_window_softcap"]
+__all__ = ["attention_ref", "check_attention_inputs", "check_cu_seqlens", "check_cu_seqlens_dtype", "check_window_softcap",
+           "segment_pairs"]
 
 
 def check_cu_seqlens_dtype(cu_seqlens: torch.Tensor, who: str = "attention") -> None:
@@ -59,6 +65,17 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, n: int, who: str = "attention") -
     return cu
 
 
+def segment_pairs(cu_q: list[int], cu_seqlens_k: torch.Tensor, n_k: int,
+                  who: str = "attention") -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """((q start, q end), (k start, k end)) of every segment pair, after checking that ``cu_seqlens_k``
+    rises from 0 to ``n_k`` with as many segments as the queries' ``cu_q``."""
+    cu_k = check_cu_seqlens(cu_seqlens_k, n_k, f"{who} (cu_seqlens_k, over the {n_k} key rows)")
+    if len(cu_k) != len(cu_q):
+        raise ValueError(f"{who}: cu_seqlens_k has {len(cu_k) - 1} segments, cu_seqlens {len(cu_q) - 1}; "
+                         f"each query segment needs its key segment")
+    return [((a, b), (c, d)) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+
+
 def check_window_softcap(sliding_window, softcap) -> None:
     """A ValueError naming the argument when ``sliding_window`` is not a positive int or ``softcap`` not > 0."""
     if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
@@ -68,7 +85,9 @@ def check_window_softcap(sliding_window, softcap) -> None:
         raise ValueError(f"attention: softcap must be a number > 0 or None, got {softcap!r}")
 
 
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> None:
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool,
+                           separate_k: bool = False) -> None:
+    """A ValueError naming the shape at fault; ``separate_k`` (varlen with ``cu_seqlens_k``): k's N may differ."""
     want = 4 if dense else 3
     layout = "[B, T, H, D]" if dense else "[N, H, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -83,7 +102,7 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, de
         raise ValueError(f"attention: Hq={hq} must be a positive multiple of Hkv={hkv}")
     if dense and q.shape[0] != k.shape[0]:
         raise ValueError(f"attention: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
-    if not dense and q.shape[0] != k.shape[0]:
+    if not dense and not separate_k and q.shape[0] != k.shape[0]:
         raise ValueError(f"attention: varlen q and k must have the same N, got {q.shape[0]} and {k.shape[0]}")
 
 
@@ -133,19 +152,24 @@ def attention_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ):
     """Reference attention; see the module docstring for layouts and semantics.
+
+    ``cu_seqlens_k`` (varlen only; default: ``cu_seqlens``, keys and queries in the same segments):
+    the key segments, one per query segment; ``max_seqlen_k`` is accepted for signature parity.
 
     Returns ``o`` shaped like ``q`` or, with ``return_lse``, ``(o, lse)`` where
     lse is float32/float64 [B, Hq, Tq] (dense) or [Hq, N] (varlen).
     """
     dense = q.dim() == 4
-    check_attention_inputs(q, k, v, dense)
+    check_attention_inputs(q, k, v, dense, separate_k=cu_seqlens_k is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     check_window_softcap(sliding_window, softcap)
     extras = dict(window=sliding_window, softcap=softcap)
     if dense:
-        if cu_seqlens is not None:
+        if cu_seqlens is not None or cu_seqlens_k is not None:
             raise ValueError("attention: cu_seqlens is for the varlen layout [N, H, D]; q is dense [B, T, H, D]")
         o, lse = _dense(q, k, v, causal, scale, key_padding_mask, **extras)
         return (o, lse) if return_lse else o
@@ -159,6 +183,13 @@ def attention_ref(
     o = torch.empty_like(q)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = torch.full((q.shape[1], n), float("-inf"), dtype=cdt, device=q.device)
+    if cu_seqlens_k is not None:
+        for (s, e), (ks, ke) in segment_pairs(cu, cu_seqlens_k, k.shape[0]):
+            if e > s:
+                od, ld = _dense(q[None, s:e], k[None, ks:ke], v[None, ks:ke], causal, scale, None, **extras)
+                o[s:e] = od[0]
+                lse[:, s:e] = ld[0]
+        return (o, lse) if return_lse else o
     for s, e, seg in _groups(cu, q.device):
         od, ld = _dense(q[None, s:e], k[None, s:e], v[None, s:e], causal, scale, None, seg, **extras)
         o[s:e] = od[0]

@@ -27,6 +27,9 @@ Measured on a 2-core CPU (fp32, Hq/Hkv = 8/4, head dim 64, one packed row of 204
 mask by 4-20x (the CPU kernel does not skip fully masked tiles), and the reference by 3-8x.
 ``flex_attention`` with a document mask has no backward on CPU (torch 2.13), so it is not used.
 
+Separate key segments (``cu_seqlens_k``; see ``attention_ref``): one SDPA call per segment pair,
+its bottom-right causal / window mask explicit (``_dense`` with Tq != Tk), autograd through SDPA.
+
 ``sliding_window`` (see ``attention_ref``) joins the explicit boolean mask: dense calls take it in
 their mask, varlen calls run one masked SDPA call per document (autograd through SDPA; the C++
 kernel has no window). ``softcap`` changes the scores inside the softmax, which no SDPA kernel
@@ -47,6 +50,7 @@ from .attention_ref import (
     check_cu_seqlens,
     check_cu_seqlens_dtype,
     check_window_softcap,
+    segment_pairs,
 )
 
 __all__ = ["attention_sdpa"]
@@ -217,25 +221,33 @@ def attention_sdpa(
     key_padding_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """Attention over dense [B, T, H, D] or varlen [N, H, D] inputs via SDPA; o shaped like q.
 
-    ``max_seqlen`` is accepted for signature parity and not needed (documents come from
-    ``cu_seqlens``).
+    ``max_seqlen`` / ``max_seqlen_k`` are accepted for signature parity and not needed (documents
+    come from ``cu_seqlens`` / ``cu_seqlens_k``).
     """
     dense = q.dim() == 4
-    check_attention_inputs(q, k, v, dense)
+    check_attention_inputs(q, k, v, dense, separate_k=cu_seqlens_k is not None)
     check_window_softcap(sliding_window, softcap)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if softcap is not None:
         return attention_ref(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=scale,
-                             key_padding_mask=key_padding_mask, sliding_window=sliding_window, softcap=softcap)
+                             key_padding_mask=key_padding_mask, sliding_window=sliding_window, softcap=softcap,
+                             cu_seqlens_k=cu_seqlens_k)
     if dense:
-        if cu_seqlens is not None:
+        if cu_seqlens is not None or cu_seqlens_k is not None:
             raise ValueError("attention: cu_seqlens is for the varlen layout [N, H, D]; q is dense [B, T, H, D]")
         return _dense(q, k, v, causal, scale, key_padding_mask, sliding_window)
     if key_padding_mask is not None:
         raise ValueError("attention: key_padding_mask applies to the dense layout only")
+    if cu_seqlens_k is not None:
+        cu = [0, q.shape[0]] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q.shape[0])
+        parts = [_dense(q[None, s:e], k[None, ks:ke], v[None, ks:ke], causal, scale, None, sliding_window)[0]
+                 for (s, e), (ks, ke) in segment_pairs(cu, cu_seqlens_k, k.shape[0]) if e > s]
+        return torch.cat(parts) if parts else torch.empty_like(q)
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32)
     else:

@@ -242,8 +242,10 @@ def _bth(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
 class _Geometry:
     """Grid-level facts shared by the forward and backward launches."""
 
-    def __init__(self, q, k, cu_seqlens, max_seqlen, causal, scale, window=None, softcap=None):
+    def __init__(self, q, k, cu_seqlens, max_seqlen, causal, scale, window=None, softcap=None,
+                 cu_seqlens_k=None, max_seqlen_k=None):
         self.varlen = q.dim() == 3
+        self.separate_k = cu_seqlens_k is not None
         self.causal = causal
         self.scale = scale
         self.window, self.softcap = window, softcap
@@ -254,11 +256,13 @@ class _Geometry:
         self.precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact fp32
         if self.varlen:
             self.cu = cu_seqlens
+            self.cu_k = cu_seqlens_k if self.separate_k else cu_seqlens  # not read unless separate_k
             self.batch = cu_seqlens.numel() - 1
-            self.seqlen_q = self.seqlen_k = max_seqlen
+            self.seqlen_q = max_seqlen
+            self.seqlen_k = max_seqlen_k if self.separate_k else max_seqlen
             self.lse_shape = (self.hq, q.shape[0])
         else:
-            self.cu = torch.zeros(1, dtype=torch.int32, device=q.device)  # unused placeholder
+            self.cu = self.cu_k = torch.zeros(1, dtype=torch.int32, device=q.device)  # unused placeholder
             self.batch = q.shape[0]
             self.seqlen_q, self.seqlen_k = q.shape[1], k.shape[1]
             self.lse_shape = (self.batch, self.hq, self.seqlen_q)
@@ -269,7 +273,7 @@ class _Geometry:
     def meta(self):
         return dict(IS_VARLEN=self.varlen, CAUSAL=self.causal, PRECISION=self.precision,
                     HEAD_DIM=self.d, BLOCK_D=self.block_d, HAS_WINDOW=self.window is not None,
-                    SOFTCAP=self.softcap is not None)
+                    SOFTCAP=self.softcap is not None, SEPARATE_K=self.separate_k)
 
     @property
     def empty(self):
@@ -291,7 +295,7 @@ def _forward(q, k, v, geo: _Geometry):
     grid = lambda meta: (_cdiv(geo.seqlen_q, meta["BLOCK_M"]), geo.batch, geo.hq)
     with _device_guard(q):
         _fwd_kernel[grid](
-            q, k, v, o, lse, geo.cu, geo.scale * _LOG2E,
+            q, k, v, o, lse, geo.cu, geo.cu_k, geo.scale * _LOG2E,
             *_bth(q, geo.varlen), *_bth(k, geo.varlen), *_bth(v, geo.varlen), *_bth(o, geo.varlen),
             *geo.lse_strides(lse),
             geo.seqlen_q, geo.seqlen_k, geo.hq // geo.hkv, *geo.extras,
@@ -318,7 +322,7 @@ def _backward(do, q, k, v, o, lse, geo: _Geometry):
         )
         kv_grid = lambda m: (_cdiv(geo.seqlen_k, m["BLOCK_N"]), geo.batch, geo.hkv)
         _bwd_dkdv_kernel[kv_grid](
-            q, k, v, do, dk, dv, lse, delta, geo.cu, geo.scale * _LOG2E, geo.scale,
+            q, k, v, do, dk, dv, lse, delta, geo.cu, geo.cu_k, geo.scale * _LOG2E, geo.scale,
             *_bth(q, vl), *_bth(k, vl), *_bth(v, vl), *_bth(do, vl), *_bth(dk, vl), *_bth(dv, vl),
             *geo.lse_strides(lse),
             geo.seqlen_q, geo.seqlen_k, group, *geo.extras,
@@ -326,7 +330,7 @@ def _backward(do, q, k, v, o, lse, geo: _Geometry):
         )
         q_grid = lambda m: (_cdiv(geo.seqlen_q, m["BLOCK_M"]), geo.batch, geo.hq)
         _bwd_dq_kernel[q_grid](
-            q, k, v, do, dq, lse, delta, geo.cu, geo.scale * _LOG2E, geo.scale,
+            q, k, v, do, dq, lse, delta, geo.cu, geo.cu_k, geo.scale * _LOG2E, geo.scale,
             *_bth(q, vl), *_bth(k, vl), *_bth(v, vl), *_bth(do, vl), *_bth(dq, vl),
             *geo.lse_strides(lse),
             geo.seqlen_q, geo.seqlen_k, group, *geo.extras,
@@ -365,7 +369,7 @@ class _AttentionFn(torch.autograd.Function):
 # Public function
 # ----------------------------------------------------------------------------------------------
 
-def _validate(q, k, v, cu_seqlens, max_seqlen):
+def _validate(q, k, v, cu_seqlens, max_seqlen, separate_k=False):
     dense = q.dim() == 4
     if q.dim() not in (3, 4):
         raise ValueError(f"attention_triton: q must be [B, T, H, D] or [N, H, D], got {tuple(q.shape)}")
@@ -377,7 +381,7 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
         raise ValueError(f"attention_triton: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"attention_triton: head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
-    if q.shape[0] != k.shape[0]:
+    if q.shape[0] != k.shape[0] and not (separate_k and not dense):
         what = "batch sizes" if dense else "token counts N"
         raise ValueError(f"attention_triton: {what} differ: q {q.shape[0]}, k {k.shape[0]}")
     hq, hkv = q.shape[-2], k.shape[-2]
@@ -398,15 +402,20 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
             "the kernels on CPU for testing)"
         )
     if dense:
-        if cu_seqlens is not None:
-            raise ValueError("attention_triton: cu_seqlens is for the varlen layout [N, H, D]; q is dense")
+        if cu_seqlens is not None or separate_k:
+            raise ValueError("attention_triton: cu_seqlens / cu_seqlens_k are for the varlen layout [N, H, D]; "
+                             "q is dense")
         return None, None
-    n = q.shape[0]
+    return _segments(q, cu_seqlens, max_seqlen, q.shape[0], "cu_seqlens", "max_seqlen")
+
+
+def _segments(q, cu_seqlens, max_seqlen, n, name, max_name):
+    """(cu_seqlens int32 on q's device, max_seqlen) of one side, checked where that costs no device sync."""
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=q.device)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(
-            f"attention_triton: cu_seqlens must be 1-D int32 [n_docs + 1], got {cu_seqlens.dtype} "
+            f"attention_triton: {name} must be 1-D int32 [n_docs + 1], got {cu_seqlens.dtype} "
             f"{tuple(cu_seqlens.shape)}"
         )
     if cu_seqlens.device.type == "cpu":
@@ -415,18 +424,18 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(
-                f"attention_triton: cu_seqlens must rise from 0 to N={n}, got {cu[:8]}{'...' if len(cu) > 8 else ''}"
+                f"attention_triton: {name} must rise from 0 to N={n}, got {cu[:8]}{'...' if len(cu) > 8 else ''}"
             )
         longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
         if max_seqlen is not None and int(max_seqlen) < longest:
-            raise ValueError(f"attention_triton: max_seqlen={max_seqlen} < longest document ({longest} tokens)")
+            raise ValueError(f"attention_triton: {max_name}={max_seqlen} < longest document ({longest} tokens)")
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if max_seqlen is None:
         # One host sync; callers that know the longest document (the packer does) pass it.
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
     max_seqlen = int(max_seqlen)
     if max_seqlen < 0:
-        raise ValueError(f"attention_triton: max_seqlen must be >= 0, got {max_seqlen}")
+        raise ValueError(f"attention_triton: {max_name} must be >= 0, got {max_seqlen}")
     return cu_seqlens, max_seqlen
 
 
@@ -442,8 +451,14 @@ def attention_triton(
     sliding_window: int | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ):
     """Fused attention with the semantics of ``attention_ref`` (no key_padding_mask).
+
+    ``cu_seqlens_k`` / ``max_seqlen_k`` (varlen): k, v [Nk, Hkv, D] in segments of their own, one
+    per query segment, causal bottom-right aligned per pair (``attention_ref``); default: the
+    queries' segments (the same launch as before, ``SEPARATE_K`` off).
 
     ``sliding_window`` and ``softcap`` (see ``attention_ref``) select the kernels' constexpr
     variants: key tiles outside every row's window are skipped, soft-capped scores use tanh.
@@ -457,11 +472,18 @@ def attention_triton(
     Returns ``o`` like q or, with ``return_lse``, ``(o, lse)`` with lse float32 [B, Hq, Tq]
     (dense) or [Hq, N] (varlen), -inf on rows that see no key.
     """
-    cu_seqlens, max_seqlen = _validate(q, k, v, cu_seqlens, max_seqlen)
+    separate_k = cu_seqlens_k is not None
+    cu_seqlens, max_seqlen = _validate(q, k, v, cu_seqlens, max_seqlen, separate_k)
+    if separate_k:
+        cu_seqlens_k, max_seqlen_k = _segments(q, cu_seqlens_k, max_seqlen_k, k.shape[0], "cu_seqlens_k",
+                                               "max_seqlen_k")
+        if cu_seqlens_k.numel() != cu_seqlens.numel():
+            raise ValueError(f"attention_triton: cu_seqlens_k has {cu_seqlens_k.numel() - 1} segments, cu_seqlens "
+                             f"{cu_seqlens.numel() - 1}; each query segment needs its key segment")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     check_window_softcap(sliding_window, softcap)
     geo = _Geometry(q, k, cu_seqlens, max_seqlen, bool(causal), scale, sliding_window,
-                    None if softcap is None else float(softcap))
+                    None if softcap is None else float(softcap), cu_seqlens_k, max_seqlen_k)
     if geo.batch > _MAX_GRID_YZ:
         what = "documents in cu_seqlens" if geo.varlen else "batch rows"
         raise ValueError(f"attention_triton: {geo.batch} {what} > {_MAX_GRID_YZ} (CUDA grid limit); split the batch")

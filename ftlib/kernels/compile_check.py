@@ -257,15 +257,19 @@ def _attention_cases(target, full):
                 ("bf16-d128-varlen-window", "bf16", 128, True, True, True, False),
                 ("bf16-d256-varlen-window-softcap", "bf16", 256, True, True, True, True),
                 ("bf16-d256-window", "bf16", 256, True, False, True, False),
-                ("fp32-d64-varlen-window-softcap", "fp32", 64, True, True, True, True)]
+                ("fp32-d64-varlen-window-softcap", "fp32", 64, True, True, True, True),
+                # separate key segments (cu_seqlens_k: context parallelism's local queries over gathered keys)
+                ("bf16-d128-varlen-sepk", "bf16", 128, True, True, False, False, True),
+                ("bf16-d128-varlen-sepk-window", "bf16", 128, True, True, True, False, True),
+                ("fp32-d64-varlen-sepk", "fp32", 64, True, True, False, False, True)]
     out = []
     for variant, dtype, d, causal, varlen, *extra in variants:
-        window, softcap = extra or (False, False)
+        window, softcap, separate_k = (*extra, False, False, False)[:3]
         block_d = max(16, 1 << (d - 1).bit_length())
         meta = dict(IS_VARLEN=varlen, CAUSAL=causal, PRECISION="ieee" if dtype == "fp32" else "tf32",
-                    HEAD_DIM=d, BLOCK_D=block_d, HAS_WINDOW=window, SOFTCAP=softcap)
+                    HEAD_DIM=d, BLOCK_D=block_d, HAS_WINDOW=window, SOFTCAP=softcap, SEPARATE_K=separate_k)
         ptr = {n: dtype for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}
-        ptr.update(LSE="fp32", DELTA="fp32", CU_SEQLENS="i32")
+        ptr.update(LSE="fp32", DELTA="fp32", CU_SEQLENS="i32", CU_SEQLENS_K="i32")
         for kind in ("fwd", "dkdv", "dq"):
             configs = at.tile_configs(kind, meta, limit)
             for i, (c, est) in enumerate(configs if full else configs[:1]):
@@ -311,7 +315,8 @@ def cases(targets=("sm_90", "sm_80"), full: bool = False) -> list[Case]:
 def ci_cases() -> list[Case]:
     """The subset the test suite compiles (~90 compiles, ~4 minutes on 2 cores): every kernel's default on sm_90 and sm_80 for
     the base variant, every other variant's default on sm_90 for the passes it changes (the GEMMs and
-    the attention backward, where the variants differ), QLoRA's and rank 64's GEMM defaults on sm_80
+    the attention backward, where the variants differ; the separate-key-segment variants' forward, dK/dV and dQ
+on sm_90 and sm_80), QLoRA's and rank 64's GEMM defaults on sm_80
     and sm_89, and every autotuning configuration of the rank-64 GEMMs on sm_90 (the rank-r
     epilogue is where the shared-memory estimate once fell short)."""
     base = {"bf16", "bf16-d128-causal", "ids-only", "labels-amask-pad"}
@@ -324,6 +329,8 @@ def ci_cases() -> list[Case]:
             out.append(c)
         elif c.target == "sm_90" and heavy and c.variant not in base:
             out.append(c)
+        elif "-sepk" in c.variant and c.kernel != "attention.preprocess" and c.target in ("sm_90", "sm_80"):
+            out.append(c)  # separate key segments: every pass it changes, on both targets
     out += [c for c in _lora_cases("sm_90", full=True)
             if c.variant == "bf16-r64" and c.kernel in ("lora.fwd", "lora.dx") and not c.default
             and "(pruned)" not in c.config]

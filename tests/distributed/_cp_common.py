@@ -1,4 +1,5 @@
-"""What the context-parallel tests and their torchrun worker share: a tiny GQA Llama with LoRA and a packed row.
+"""What the context-parallel tests and their torchrun worker share: a tiny GQA Llama with LoRA, a packed row, and
+the two bugs put in on purpose (rewrites of ``_segment_plan``'s (half, q0, q1, k0, k1) segments).
 
 The row holds documents of uneven lengths whose boundaries fall inside the zigzag chunks and
 across ranks for 2 and 4 ranks (and one token of padding: 47 tokens split into 2P chunks).
@@ -45,3 +46,13 @@ def one_process(model, *batches) -> tuple[float, dict[str, torch.Tensor]]:
     mean = sum(losses) / sum(counts)
     mean.backward()
     return float(mean.detach()), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def skip_first_block(plan, chunk):
+    """Bug 1: every key segment longer than a chunk loses its first chunk of keys (a block that never arrives)."""
+    return [(h, q0, q1, k0 + chunk if k1 - k0 > chunk else k0, k1) for h, q0, q1, k0, k1 in plan]
+
+
+def mirrored_off_by_one(plan, total):
+    """Bug 2: the mirrored chunk's key segments end one key late (its causal diagonal one key ahead)."""
+    return [(h, q0, q1, k0, min(k1 + 1, total) if h == 1 else k1) for h, q0, q1, k0, k1 in plan]

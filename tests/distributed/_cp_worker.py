@@ -3,8 +3,9 @@
 Every rank runs the tiny LoRA model on its zigzag shard of one packed row and sums the gradients
 over the group (as it is, with every block checkpointed, and with offloaded checkpoints and a chunked MLP;
 and under FSDP2 over every rank with context groups of 2 ranks, each group on its own sequence); rank 0 writes ``OUT/result.json`` with the largest differences from the one-process
-loss and gradients (and of the adapter after one step, saved in PEFT's format), for the code as it is and with two bugs put in on purpose (a skipped key block,
-the mirrored chunk's causal mask one key too far), which must be far off.
+loss and gradients (and of the adapter after one step, saved in PEFT's format), for the code as it is and with two
+bugs put in on purpose (a skipped key block, the mirrored chunk's causal diagonal one key too far), which must be far
+off.
 """
 
 import json
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cp_common import build, one_process, packed_batch  # noqa: E402
+from _cp_common import build, mirrored_off_by_one, one_process, packed_batch, skip_first_block  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import ftlib.distributed.context_parallel as cp  # noqa: E402
@@ -33,7 +34,7 @@ def _all_sum(x: torch.Tensor, group=None) -> torch.Tensor:
 def run(model, batch):
     model.zero_grad(set_to_none=True)
     shard = cp.zigzag_shard(batch)
-    loss, n = cp.context_parallel_loss(model, shard, tile=4)  # tiles smaller than a chunk: the tiling runs too
+    loss, n = cp.context_parallel_loss(model, shard)
     n_all = _all_sum(n).float()
     (loss / n_all).backward()
     cp.sum_gradients(model.parameters())
@@ -44,7 +45,7 @@ def run_fsdp(size, batches):
     """FSDP2 over every rank, context groups of ``size`` ranks, group g on ``batches[g]``: FSDP2 averages the
     gradients over the world, so the loss is scaled by it (what TrainOptimizer.backward does)."""
     group, g = cp.context_groups(size)
-    train = shard_model(cp.ContextParallelLMLoss(build(), tile=4))
+    train = shard_model(cp.ContextParallelLMLoss(build()))
     loss, n = train(cp.zigzag_shard(batches[g], group))
     n_all = _all_sum(n).float()
     (loss * dist.get_world_size() / n_all).backward()
@@ -96,20 +97,12 @@ def main():
     batches = [packed_batch(1 + g) for g in range(world // 2)]
     result["fsdp2"] = diffs(None, None, one_process(build(), *batches), runner=lambda: run_fsdp(2, batches))
 
-    blocks = cp._visible_blocks
-    cp._visible_blocks = lambda world, rank: blocks(world, rank)[:-1]  # bug 1: the last key block never arrives
+    plan = cp._segment_plan
+    cp._segment_plan = lambda layout, w: skip_first_block(plan(layout, w), layout.chunk)  # bug 1
     result["skip_block"] = diffs(build(), batch, ref)
-    cp._visible_blocks = blocks
-
-    mask, half = cp._tile_mask, 48 // 2
-
-    def off_by_one(qi, kj, qdoc, kdoc, window):  # bug 2: the mirrored chunks (second half) see one key ahead
-        shifted = torch.where(qi >= half, qi + 1, qi)
-        return mask(shifted, kj, qdoc, kdoc, window)
-
-    cp._tile_mask = off_by_one
+    cp._segment_plan = lambda layout, w: mirrored_off_by_one(plan(layout, w), layout.total)  # bug 2
     result["mirrored_off_by_one"] = diffs(build(), batch, ref)
-    cp._tile_mask = mask
+    cp._segment_plan = plan
     if dist.get_rank() == 0:
         (out / "result.json").write_text(json.dumps(result))
         (out / "ok").write_text("ok")

@@ -1,5 +1,5 @@
-"""Context parallelism (ftlib.distributed.context_parallel): the zigzag layout and its block attention equal
-one process's varlen attention, and the tiny LoRA model trained over 2 and 4 gloo ranks equals one process.
+"""Context parallelism (ftlib.distributed.context_parallel): the zigzag layout and its segment attention (local
+queries over the gathered keys, one varlen call with separate key segments) equal one process's varlen attention, and the tiny LoRA model trained over 2 and 4 gloo ranks equals one process.
 
 The layout tests run every rank of a group in one process (the all-gather is a concatenation); the
 torchrun tests run the real collectives and also check that two bugs put in on purpose go red.
@@ -25,7 +25,7 @@ from ftlib.distributed import (
 from ftlib.kernels.attention_ref import attention_ref
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cp_common import build, one_process, packed_batch  # noqa: E402
+from _cp_common import build, mirrored_off_by_one, one_process, packed_batch, skip_first_block  # noqa: E402
 
 WORKER = Path(__file__).with_name("_cp_worker.py")
 
@@ -35,7 +35,7 @@ def _docs(total: int, cuts: list[int]) -> torch.Tensor:
     return torch.tensor(bounds, dtype=torch.int32)
 
 
-def _all_ranks(q, k, v, cu, world, tile, **kw):
+def _all_ranks(q, k, v, cu, world, **kw):
     """Every rank's output of the zigzag attention, put back in global order ([T, Hq, D])."""
     total = q.shape[0]
     batch = {"input_ids": torch.zeros(1, total, dtype=torch.long), "labels": torch.zeros(1, total, dtype=torch.long),
@@ -45,30 +45,30 @@ def _all_ranks(q, k, v, cu, world, tile, **kw):
         layout = zigzag_shard(batch, world=world, rank=r)["layout"]
         gathered = layout.gathered_indices()
         idx = layout.indices()
-        o = _one_rank(q, k, v, layout, idx, gathered, tile, **kw)
+        o = _one_rank(q, k, v, layout, idx, gathered, **kw)
         out = out.index_put((idx,), o)
     return out
 
 
-def _one_rank(q, k, v, layout, idx, gathered, tile, **kw):
+def _one_rank(q, k, v, layout, idx, gathered, **kw):
     # the "all-gather" of this rank: the global K / V in the gathered (rank-major) order, differentiable in them
     src = {"k": k, "v": v}
     calls = iter(("k", "v"))
-    return context_parallel_attention(q[idx], k[idx], v[idx], layout, tile=tile,
+    return context_parallel_attention(q[idx], k[idx], v[idx], layout,
                                       gather=lambda x: src[next(calls)][gathered], **kw)
 
 
 @settings(max_examples=25, deadline=None)
 @given(world=st.integers(1, 4), chunk=st.integers(1, 5), cuts=st.lists(st.integers(0, 200), max_size=4),
-       tile=st.integers(1, 4), extra=st.sampled_from([{}, {"sliding_window": 3}, {"softcap": 2.0}]))
-def test_zigzag_attention_equals_one_process(world, chunk, cuts, tile, extra):
+       extra=st.sampled_from([{}, {"sliding_window": 3}, {"softcap": 2.0}]))
+def test_zigzag_attention_equals_one_process(world, chunk, cuts, extra):
     """float64, GQA 4/2, documents cut anywhere (across chunks and ranks): output and dq, dk, dv."""
     total = 2 * world * chunk
     g = torch.Generator().manual_seed(total + len(cuts))
     q, k, v = (torch.randn(total, h, 3, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
     cu = _docs(total, cuts)
     want = attention_ref(q, k, v, causal=True, cu_seqlens=cu, softmax_scale=0.7, **extra)
-    got = _all_ranks(q, k, v, cu, world, tile, softmax_scale=0.7, **extra)
+    got = _all_ranks(q, k, v, cu, world, softmax_scale=0.7, **extra)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     dout = torch.randn(want.shape, generator=g, dtype=torch.float64)
     gw = torch.autograd.grad(want, (q, k, v), dout)
@@ -87,27 +87,44 @@ def _case(world=2, chunk=3):
 
 def test_a_skipped_block_is_caught(monkeypatch):
     q, k, v, cu, want = _case()
-    blocks = cp._visible_blocks
-    monkeypatch.setattr(cp, "_visible_blocks", lambda world, rank: blocks(world, rank)[:-1])
-    got = _all_ranks(q, k, v, cu, 2, 2)
+    plan = cp._segment_plan
+    monkeypatch.setattr(cp, "_segment_plan", lambda layout, w: skip_first_block(plan(layout, w), layout.chunk))
+    got = _all_ranks(q, k, v, cu, 2)
     assert (got - want).abs().max() > 1e-2
 
 
 def test_an_off_by_one_mirrored_mask_is_caught(monkeypatch):
     q, k, v, cu, want = _case()
-    mask = cp._tile_mask
-    monkeypatch.setattr(cp, "_tile_mask", lambda qi, kj, qd, kd, w: mask(torch.where(qi >= 6, qi + 1, qi), kj, qd, kd, w))
-    got = _all_ranks(q, k, v, cu, 2, 2)
+    plan = cp._segment_plan
+    monkeypatch.setattr(cp, "_segment_plan", lambda layout, w: mirrored_off_by_one(plan(layout, w), layout.total))
+    got = _all_ranks(q, k, v, cu, 2)
     assert (got - want).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_zigzag_balances_the_causal_blocks(world):
-    """Every rank scores 2P + 1 of the (2P)(2P + 1)/2 non-empty causal blocks; the chunks tile the sequence."""
-    counts = [len(cp._visible_blocks(world, r)) for r in range(world)]
-    assert counts == [2 * world + 1] * world
+def test_zigzag_balances_the_causal_pairs(world):
+    """One document: every rank scores the same number of causal (query, key) pairs, its segments end where their
+    keys end (bottom-right), and the chunks tile the sequence."""
+    total, c = 4 * world * 3, 3 * 2
+    doc = torch.zeros(total, dtype=torch.long)
+    pairs = []
+    for r in range(world):
+        plan = cp._segment_plan(ZigzagLayout(total, world, r, doc), None)
+        assert [(h, q0, q1) for h, q0, q1, _, _ in plan] == [(h, cp._chunk_id(world, r, h) * c,
+                                                              (cp._chunk_id(world, r, h) + 1) * c) for h in range(2)]
+        assert all(k0 == 0 and k1 == q1 for _, _, q1, k0, k1 in plan)
+        pairs.append(sum((q1 - q0) * (k1 - k0 - (q1 - q0)) + (q1 - q0) * (q1 - q0 + 1) // 2
+                         for _, q0, q1, k0, k1 in plan))
+    assert pairs == [c * c * (2 * world - 1) + c * (c + 1)] * world
     idx = torch.cat([zigzag_indices(4 * world, world, r) for r in range(world)])
     assert sorted(idx.tolist()) == list(range(4 * world))
+
+
+def test_the_window_trims_the_key_segments():
+    """With a window W the keys start at the first one a segment's queries can see: q0 - W + 1 (not before d0)."""
+    doc = torch.tensor([0] * 5 + [1] * 11)
+    plan = cp._segment_plan(ZigzagLayout(16, 2, 1, doc), 3)  # rank 1: chunks 1 [4, 8) and 2 [8, 12)
+    assert plan == [(0, 4, 5, 2, 5), (0, 5, 8, 5, 8), (1, 8, 12, 6, 12)]
 
 
 @pytest.mark.parametrize("memory", [None, "checkpoint", "offload+chunks", "qlora"])
@@ -126,7 +143,7 @@ def test_one_rank_equals_the_model_loss(memory):
     model.zero_grad(set_to_none=True)
     shard = zigzag_shard(batch, world=1, rank=0)
     assert shard["layout"].pad == 1  # 47 tokens -> 48
-    loss, n = context_parallel_loss(model, shard, tile=5)
+    loss, n = context_parallel_loss(model, shard)
     (loss / n).backward()
     assert abs(float((loss / n).detach()) - ref_loss) < 1e-6
     for name, g in ref_grads.items():

@@ -301,7 +301,8 @@ def test_activation_terms_make_the_estimate():
         assert est.activation_host == (32 * 2 * 4096 * 65536 if off else 0) and est.host == est.activation_host
     one, four = (estimate_memory(cfg, context_parallel=n, **kw) for n in (1, 4))
     quarter = estimate_memory(cfg, **(kw | {"seq_len": 65536 // 4}))
-    assert four.activations == quarter.activations + 8 * 8 * 128 * 65536  # gathered K, V and their gradients
+    # gathered K, V and their gradients, and the key segments' ((2 x 4 + 1) c = 9 / 2 rows a local token)
+    assert four.activations == quarter.activations + 8 * 8 * 128 * (65536 + 16384 * 9 // 2)
     assert four.activations < one.activations / 3
 
 
