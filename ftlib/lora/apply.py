@@ -24,7 +24,9 @@ Stacked MoE experts (``target_parameters``) get a per-expert LoRA (``ftlib.lora.
 ``experts`` module becomes a ``LoRAExperts``; merge, unmerge, ``merge_and_unload`` and
 ``disable_adapters`` treat it like the linear adapters. Naming ``gate_proj`` / ``up_proj`` /
 ``down_proj`` in ``target_modules`` of an MoE model adapts the dense and shared-expert MLPs only,
-as in PEFT; a warning says the routed experts need ``target_parameters``.
+as in PEFT; a warning says the routed experts need ``target_parameters``. With ``quantize="nf4"`` the
+adapted stacked weights (``quantize_modules="all"``: every one) are stored in NF4 per expert
+(``ftlib.lora.nf4_experts``, QLoRA on the experts); a warning names those left in full precision.
 
 ``disable_adapters(model)`` runs the base model with no copy of any weight (the DPO
 reference model at zero memory cost). Modules in ``modules_to_save`` are trained in
