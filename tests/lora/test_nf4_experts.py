@@ -144,3 +144,19 @@ def test_quantize_modules_all_quantizes_unadapted_experts_and_merge_in_place_is_
     load_adapter(plain, tmp_path)
     for (n, p), p2 in zip(trainable_params(q).items(), trainable_params(plain).values()):
         assert torch.equal(p, p2), n
+
+
+def test_nf4_grouped_product_under_bf16_autocast_matches_fp32_and_trains(folders):
+    q = load_pretrained(folders("qwen3_moe"))
+    apply_lora(q, LoRAConfig(r=2, alpha=4, target_modules=ATTN, target_parameters=BOTH, quantize="nf4"))
+    _randomise(q, seed=4)
+    x = ids()
+    with torch.no_grad():
+        want = q(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = q(x)
+    rel = max_diff(got, want) / want.abs().max().item()
+    assert rel <= 0.05, rel  # bf16 GEMMs on the dequantized experts
+    got.float().square().mean().backward()
+    grads = {n: p.grad for n, p in trainable_params(q).items() if ".mlp.experts." in n}
+    assert grads and all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
