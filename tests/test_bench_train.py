@@ -41,3 +41,25 @@ def test_ftlib_variants_are_checked_against_the_same_data_run_when_it_ran():
     assert bench.loss_reference("ftlib-compile", "hf-budget", "hf-rows") == "hf-rows"
     assert bench.loss_reference("hf-sorted", "hf-budget", "hf-rows") == "hf-budget"
     assert bench.loss_reference("ftlib", "hf-budget", None) == "hf-budget"
+
+
+def _run(loss, tok=1000.0):
+    return {"tokens_per_s": tok, "tokens_per_cpu_s": tok, "tflops": float("nan"), "peak_mb": 1000.0,
+            "train_loss": loss, "heldout_loss": loss, "steps": 4, "tokens": 6000, "timed_s": 6.0, "warmup_s": 1.0,
+            "gemm_rel_err": None}
+
+
+def test_held_out_check_uses_the_same_data_run_and_says_so_when_it_is_missing(capsys):
+    bench = _bench()
+    results = {"ftlib": [_run(8.78172)], "hf-budget": [_run(8.72080)]}
+    out = bench.summarize(8192, results, list(results), loss_tol=0.005)
+    assert not out["med"]["ftlib"]["loss_ok"]  # +0.70 % against a run on other batches
+    assert "add hf-rows" in capsys.readouterr().out
+    results["hf-rows"] = [_run(8.78170, tok=100.0)]
+    out = bench.summarize(8192, results, list(results), loss_tol=0.005)
+    med = out["med"]
+    assert out["best"] == "hf-budget" and med["ftlib"]["loss_ref"] == "hf-rows" and med["ftlib"]["loss_ok"]
+    assert abs(med["ftlib"]["loss_rel"]) < 1e-5 and med["ftlib"]["loss_rel_best"] > 0.005
+    assert "all correct variants pass" in capsys.readouterr().out
+    results["hf-rows"] = [_run(8.70, tok=100.0)]  # ftlib off the same-data run: the check fails
+    assert not bench.summarize(8192, results, list(results), loss_tol=0.005)["med"]["ftlib"]["loss_ok"]
