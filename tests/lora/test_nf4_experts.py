@@ -142,8 +142,14 @@ def test_quantize_modules_all_quantizes_unadapted_experts_and_merge_in_place_is_
     from ftlib.lora import load_adapter
 
     load_adapter(plain, tmp_path)
-    for (n, p), p2 in zip(trainable_params(q).items(), trainable_params(plain).values()):
-        assert torch.equal(p, p2), n
+    again = load_adapter(load_pretrained(folders("qwen3_moe")), tmp_path, quantize="nf4")  # a PEFT file onto QLoRA
+    assert any(isinstance(m, NF4Experts) for m in again.modules())
+    for (n, p), p2, p3 in zip(trainable_params(q).items(), trainable_params(plain).values(),
+                              trainable_params(again).values()):
+        assert torch.equal(p, p2) and torch.equal(p, p3), n
+    x = ids()
+    with torch.no_grad():
+        assert max_diff(again(x), q(x)) == 0.0
 
 
 def test_nf4_grouped_product_under_bf16_autocast_matches_fp32_and_trains(folders):
