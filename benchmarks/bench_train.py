@@ -56,6 +56,10 @@ Variants:
   hf-packed-xdoc   transformers + peft on ftlib's packed rows through ``position_ids`` only:
                    with sdpa/eager attention transformers does NOT isolate the documents, so
                    tokens attend across document boundaries; shown, marked, never a reference
+  hf-rows          transformers + peft on ftlib's packed micro-batches, each one's documents as one
+                   padded batch: the same documents in the same steps as ftlib, so only arithmetic
+                   differs (slow: a row of one long and many short documents pads to the long one).
+                   When it runs it is the reference of the ftlib variants' held-out check (below)
 
 Every transformers variant runs sdpa attention, no gradient checkpointing, fused AdamW, foreach
 gradient clipping, in fp32 like ftlib. Every worker (both libraries) runs ``--threads`` intra-op
@@ -64,7 +68,9 @@ page faults and zeroing per step).
 
 Rounds alternate the variants (A B C ... A B C ...); the table shows medians over rounds.
 The held-out loss of every correct variant must be within ``--loss-tol`` (``--loss-tol-large``
-at the other vocab sizes) of the best transformers variant's; the script prints the check.
+at the other vocab sizes) of the best transformers variant's -- for the ftlib variants, of
+``hf-rows``'s when it ran (same batches: a short run's loss moves fast, and different batches
+show; the ``vs best`` column still compares with the best variant); the script prints the check.
 Ratios are against the best *correct* transformers variant (the fastest of hf-pad / hf-group / hf-budget / hf-sorted,
 and hf-sorted-mp where its GEMMs measured at fp32 precision)
 and against hf-pad. Throughput is real (non-pad) tokens per second of wall time after the
@@ -107,7 +113,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-VARIANTS = ["ftlib", "ftlib-compile", "hf-pad", "hf-group", "hf-budget", "hf-sorted", "hf-sorted-mp", "hf-packed-xdoc"]
+VARIANTS = ["ftlib", "ftlib-compile", "hf-pad", "hf-group", "hf-budget", "hf-sorted", "hf-sorted-mp", "hf-packed-xdoc",
+            "hf-rows"]
 CORRECT_HF = ("hf-pad", "hf-group", "hf-budget", "hf-sorted")
 FP32_GEMM_TOL = 1e-5  # hf-sorted-mp is a correct variant where its matmuls stay within this of float64 (fp32: ~1e-6)
 
@@ -227,6 +234,13 @@ def budget_batches(order, lengths, budget: int):
         longest = max(longest, n)
     if batch:
         yield batch
+
+
+def packed_spans(batch) -> list[tuple[int, int]]:
+    """(start, end) of each real document of a packed batch in its flattened B*T tokens (pad tails left out)."""
+    cu = batch["cu_seqlens"].tolist()
+    ids = batch["input_ids"].reshape(-1)
+    return [(s, e) for s, e in zip(cu, cu[1:]) if e > s and int(ids[s]) != 0]
 
 
 def doc_lengths(batch) -> list[int]:
@@ -528,6 +542,16 @@ def worker_hf(spec):
             for b in loader:
                 yield {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "labels": b["labels"]}
 
+    def row_documents():  # hf-rows: each packed micro-batch's documents, in its order, as one padded batch
+        from ftlib.data import TokenLoader
+
+        loader = TokenLoader(train, batch_size=spec["rows"], seq_len=spec["seq_len"], pad_id=0, packing=True, seed=0)
+        while True:
+            for b in loader:
+                ids, labels = b["input_ids"].reshape(-1), b["labels"].reshape(-1)
+                yield pad_batch([(ids[s:e].numpy().astype(np.int32), (labels[s:e] != -100).numpy())
+                                 for s, e in packed_spans(b)])
+
     def step(batch):
         batch = {k: v.to(device) for k, v in batch.items()}
         with amp:
@@ -539,7 +563,8 @@ def worker_hf(spec):
         n = int((batch["labels"][:, 1:] != -100).sum())
         return float(out.loss.detach()) * n, n
 
-    out = _train(spec, packed_rows() if variant == "hf-packed-xdoc" else order(), step, real_tokens)
+    batches = {"hf-packed-xdoc": packed_rows, "hf-rows": row_documents}.get(variant, order)()
+    out = _train(spec, batches, step, real_tokens)
     out["heldout_loss"] = heldout_hf(model, heldout, device, spec["bf16"])
     out["gemm_rel_err"] = gemm_err
     return out
@@ -647,13 +672,16 @@ def summarize(vocab, results: dict, variants, peak_tflops=None, loss_tol=float("
     med = {v: {k: _median(results[v], k) for k in _KEYS} for v in variants}
     hf = [v for v in correct_hf(med) if not math.isnan(med[v]["tokens_per_s"])]
     best = max(hf, key=lambda v: med[v]["tokens_per_s"]) if hf else None
+    same = "hf-rows" if "hf-rows" in med and not math.isnan(med["hf-rows"]["heldout_loss"]) else None
     nan = float("nan")
     for v in variants:
         m = med[v]
         m["x_best"] = m["tokens_per_s"] / med[best]["tokens_per_s"] if best else nan
         m["x_pad"] = m["tokens_per_s"] / med["hf-pad"]["tokens_per_s"] if "hf-pad" in med else nan
         m["mem_vs_best"] = m["peak_mb"] / med[best]["peak_mb"] if best else nan
-        m["loss_rel"] = (m["heldout_loss"] - med[best]["heldout_loss"]) / med[best]["heldout_loss"] if best else nan
+        m["loss_ref"] = loss_reference(v, best, same)
+        m["loss_rel_best"] = _rel(m["heldout_loss"], med[best]["heldout_loss"]) if best else nan
+        m["loss_rel"] = _rel(m["heldout_loss"], med[m["loss_ref"]]["heldout_loss"]) if m["loss_ref"] else nan
         m["mfu"] = m["tflops"] / peak_tflops if peak_tflops else nan
     rounds = max(len(r) for r in results.values())
     print(f"\nvocab {vocab}: medians over {rounds} round(s); ratios vs the best correct transformers variant "
@@ -668,10 +696,13 @@ def summarize(vocab, results: dict, variants, peak_tflops=None, loss_tol=float("
         m = med[v]
         cells = [f"{v:<16}", f"{m['tokens_per_s']:>10.0f}", f"{m['x_best']:>6.2f}", f"{m['x_pad']:>6.2f}",
                  f"{m['tokens_per_cpu_s']:>9.0f}", f"{m['peak_mb']:>8.0f}", f"{m['mem_vs_best']:>8.2f}",
-                 f"{m['train_loss']:>10.4f}", f"{m['heldout_loss']:>8.4f}", f"{m['loss_rel']:>+7.2%}", f"{m['steps']:>5.0f}"]
+                 f"{m['train_loss']:>10.4f}", f"{m['heldout_loss']:>8.4f}", f"{m['loss_rel_best']:>+7.2%}",
+                 f"{m['steps']:>5.0f}"]
         if peak_tflops:
             cells[5:5] = [f"{m['tflops']:>7.1f}", f"{m['mfu']:>6.1%}"]
         note = "  <- attends across documents (wrong): shown, not a reference" if v == "hf-packed-xdoc" else ""
+        if v == "hf-rows":
+            note = "  <- ftlib's packed micro-batches' documents, padded: the held-out reference of the ftlib variants"
         if v == "hf-sorted-mp":
             err = m["gemm_rel_err"]
             note = (f"  <- matmul precision 'medium': GEMM error {err:.1e} of float64, "
@@ -679,11 +710,16 @@ def summarize(vocab, results: dict, variants, peak_tflops=None, loss_tol=float("
         print("| " + " | ".join(cells) + " |" + note)
     for v in variants:
         med[v]["loss_ok"] = abs(med[v]["loss_rel"]) <= loss_tol  # nan (no baseline) fails
-    checked = [v for v in variants if v != "hf-packed-xdoc" and (v != "hf-sorted-mp" or v in correct_hf(med))]
+    checked = [v for v in variants if v not in ("hf-packed-xdoc", "hf-rows")
+               and (v != "hf-sorted-mp" or v in correct_hf(med))]
     bad = [v for v in checked if not med[v]["loss_ok"]]
-    print(f"held-out loss check, |relative difference to {best}| <= {loss_tol:.2%}: "
-          + ("all correct variants pass" if not bad else "FAIL: " + ", ".join(
-              f"{v} {med[v]['loss_rel']:+.2%}" for v in bad)))
+    refs = sorted({med[v]["loss_ref"] or "none run" for v in checked})
+    print(f"held-out loss check, |relative difference to {' / '.join(refs)}| <= {loss_tol:.2%}: "
+          + ", ".join(f"{v} {med[v]['loss_rel']:+.3%} vs {med[v]['loss_ref']}" for v in checked if v.startswith("ftlib"))
+          + (" -- all correct variants pass" if not bad else " -- FAIL: " + ", ".join(
+              f"{v} {med[v]['loss_rel']:+.2%}" for v in bad)
+              + ("" if same or not any(v.startswith("ftlib") for v in bad) else
+                 " (trained on different batches; add hf-rows to --variants for the same-data reference)")))
     warm = {v: med[v].get("warmup_s") for v in variants if v.startswith("ftlib")}
     if "ftlib" in warm and "ftlib-compile" in warm:
         per_step = {v: med[v]["timed_s"] / max(1.0, med[v]["steps"] - (3 if v == "ftlib-compile" else 2))
@@ -693,6 +729,20 @@ def summarize(vocab, results: dict, variants, peak_tflops=None, loss_tol=float("
         print(f"torch.compile: {extra:.0f} s of compilation in the warm-up, {saved:+.2f} s per step afterwards: "
               + (f"pays back after {extra / saved:.0f} steps" if saved > 0 else "never pays back"))
     return {"best": best, "med": med}
+
+
+def _rel(x: float, ref: float) -> float:
+    return (x - ref) / ref
+
+
+def loss_reference(variant: str, best: str | None, same: str | None) -> str | None:
+    """The transformers run a variant's held-out loss is checked against: for ftlib's variants the run
+    on the same documents in the same steps (``hf-rows``) when it ran, else (and for the transformers
+    variants) the best correct one. Variants that batch differently see different gradients each
+    step; after a few steps of a fast-moving loss that shows beyond the tolerance. Measured on the quick
+    MoE job (4 steps): ftlib 8.78172 against hf-budget's 8.72080 (+0.70 %), against hf-rows' 8.78170
+    (+2e-6), and ftlib fed hf-budget's padded batches gives 8.72080 -- the gap is the batching."""
+    return same if same and variant.startswith("ftlib") else best
 
 
 def write_csv(path, args, vocab, results, summary, peak_tflops=None):
@@ -718,7 +768,8 @@ def write_csv(path, args, vocab, results, summary, peak_tflops=None):
                     continue
                 xb = r["tokens_per_s"] / med[b]["tokens_per_s"] if b else float("nan")
                 mb = r["peak_mb"] / med[b]["peak_mb"] if b else float("nan")
-                lr = (r["heldout_loss"] - med[b]["heldout_loss"]) / med[b]["heldout_loss"] if b else float("nan")
+                ref = med[v]["loss_ref"]
+                lr = _rel(r["heldout_loss"], med[ref]["heldout_loss"]) if ref else float("nan")
                 mfu = r["tflops"] / peak_tflops if peak_tflops else float("nan")
                 w.writerow([date, args.device, dev_name, args.threads, f"{r.get('load_avg', float('nan')):.2f}",
                             torch.__version__, ftlib.__version__, shape_tag(args), vocab,
@@ -726,7 +777,7 @@ def write_csv(path, args, vocab, results, summary, peak_tflops=None):
                             f"{r['tokens_per_cpu_s']:.1f}", f"{r['tflops']:.3f}", f"{mfu:.4f}", f"{r['peak_mb']:.0f}",
                             f"{r['train_loss']:.5f}", f"{r['heldout_loss']:.5f}", r["steps"], f"{r['timed_s']:.2f}",
                             f"{xb:.3f}", f"{mb:.3f}", f"{lr:.4f}", b,
-                            v != "hf-packed-xdoc" and (v != "hf-sorted-mp" or v in correct_hf(med)),
+                            v not in ("hf-packed-xdoc", "hf-rows") and (v != "hf-sorted-mp" or v in correct_hf(med)),
                             model_shape(args)["num_hidden_layers"], f"{r.get('warmup_s', float('nan')):.1f}",
                             abs(lr) <= (args.loss_tol if vocab == args.vocab[0] else args.loss_tol_large)])
 
@@ -784,7 +835,8 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="smoke run: one round, vocab 8192, a small budget")
     ap.add_argument("--profile", action="store_true", help="phase breakdown of ftlib's step (no baseline)")
     ap.add_argument("--profile-steps", type=int, default=6)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
+    ap.add_argument("--variants", default=None, help=f"comma list of {VARIANTS} (default: all; hf-rows, slow, only "
+                    "with --family qwen3_moe, whose short runs need the same-data reference)")
     ap.add_argument("--vocab", default="8192,131072", help="comma list of vocabulary sizes")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (medians over them)")
     ap.add_argument("--tokens", type=int, default=40_000, help="real-token budget per run at the first vocab")
@@ -824,6 +876,8 @@ def parse_args(argv=None):
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.variants is None:
+        args.variants = ",".join(v for v in VARIANTS if v != "hf-rows" or args.family == "qwen3_moe")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:

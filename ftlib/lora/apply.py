@@ -24,7 +24,9 @@ Stacked MoE experts (``target_parameters``) get a per-expert LoRA (``ftlib.lora.
 ``experts`` module becomes a ``LoRAExperts``; merge, unmerge, ``merge_and_unload`` and
 ``disable_adapters`` treat it like the linear adapters. Naming ``gate_proj`` / ``up_proj`` /
 ``down_proj`` in ``target_modules`` of an MoE model adapts the dense and shared-expert MLPs only,
-as in PEFT; a warning says the routed experts need ``target_parameters``.
+as in PEFT; a warning says the routed experts need ``target_parameters``. With ``quantize="nf4"`` the
+adapted stacked weights (``quantize_modules="all"``: every one) are stored in NF4 per expert
+(``ftlib.lora.nf4_experts``, QLoRA on the experts); a warning names those left in full precision.
 
 ``disable_adapters(model)`` runs the base model with no copy of any weight (the DPO
 reference model at zero memory cost). Modules in ``modules_to_save`` are trained in
@@ -49,6 +51,7 @@ from .config import LoRAConfig
 from .experts import ExpertLoRA, LoRAExperts, expert_targets
 from .layers import LoRALinear
 from .nf4 import NF4Linear
+from .nf4_experts import NF4Experts
 
 __all__ = [
     "ParamCount",
@@ -151,9 +154,9 @@ def plan_lora(model: nn.Module, config: LoRAConfig) -> tuple[LoRAConfig, list[tu
         config = config.replace(target_modules=resolve_all_linear(model))
     targets = [(n, m) for n, m in model.named_modules() if n and is_target(n, config)]
     if expert_targets(model, config.target_parameters):  # raises for an entry that matches nothing
-        if config.dropout or config.use_dora or config.quantize:
-            raise ValueError("apply_lora: LoRA on stacked experts (target_parameters) takes no dropout, DoRA or "
-                             "NF4 base (as PEFT's ParamWrapper); set dropout=0, use_dora=False, quantize=None")
+        if config.dropout or config.use_dora:
+            raise ValueError("apply_lora: LoRA on stacked experts (target_parameters) takes no dropout or DoRA "
+                             "(as PEFT's ParamWrapper); set dropout=0, use_dora=False")
     elif not targets:
         linears = _linear_names(model)
         raise ValueError(
@@ -265,10 +268,8 @@ def _apply_expert_lora(model: nn.Module, config: LoRAConfig) -> None:
     stacked = [n for n, m in model.named_modules() if isinstance(m, MoEExperts)]
     mlp_named = isinstance(config.target_modules, list) and any(
         matches_any(f"mlp.{p}", config.target_modules) for p in ("gate_proj", "up_proj", "down_proj"))
-    if stacked and config.quantize:
-        warnings.warn(f"apply_lora: quantize={config.quantize!r} quantizes nn.Linear layers; the stacked experts "
-                      f"({stacked[0]}, ...) stay in {model.get_submodule(stacked[0]).down_proj.dtype} "
-                      "(NF4 on stacked experts is not implemented)", stacklevel=3)
+    if config.quantize == "nf4":
+        _quantize_experts(model, config, stacked, chosen)
     if not chosen and stacked and mlp_named:
         names = stacked
         warnings.warn("apply_lora: target_modules adapt the dense / shared-expert MLPs only; the routed experts "
@@ -287,6 +288,31 @@ def _apply_expert_lora(model: nn.Module, config: LoRAConfig) -> None:
                                          config.alpha_for(full), use_rslora=config.use_rslora, init=config.init,
                                          device=w.device, dtype=w.dtype)
         _set_module(model, mod_name, LoRAExperts(base, adapters))
+
+
+def _quantize_experts(model: nn.Module, config: LoRAConfig, stacked: list[str], chosen: list[tuple[str, str]]) -> None:
+    """QLoRA on the stacked experts: the adapted stacked weights (``quantize_modules="all"``: every one not
+    in ``quantize_skip``) become ``NF4Stack``s; a warning names the ones that stay in full precision."""
+    picked = {(m, p) for m, p in chosen}
+    plan = {}
+    for mod_name in stacked:
+        names = [p for p in ("gate_up_proj", "down_proj")
+                 if (mod_name, p) in picked or (config.quantize_modules == "all"
+                                                and not matches_any(f"{mod_name}.{p}", config.quantize_skip))]
+        for p in names:  # checked before anything changes, as for the linear layers
+            w = getattr(model.get_submodule(mod_name), p)
+            if not w.is_meta and not bool(torch.isfinite(w).all()):
+                raise ValueError(f"apply_lora: {mod_name}.{p} has non-finite values; cannot quantize it to NF4")
+        plan[mod_name] = names
+    left = [f"{m}.{p}" for m, names in plan.items() for p in ("gate_up_proj", "down_proj") if p not in names]
+    for mod_name, names in plan.items():
+        if names:
+            _set_module(model, mod_name, NF4Experts(model.get_submodule(mod_name), names,
+                                                    blocksize=config.quant_blocksize, double_quant=config.double_quant))
+    if left:
+        warnings.warn(f"apply_lora: quantize='nf4' with quantize_modules={config.quantize_modules!r}: the stacked "
+                      f"expert weights {left[0]}{f' and {len(left) - 1} more' if len(left) > 1 else ''} are not "
+                      "adapted and stay in full precision (quantize_modules='all' quantizes them too)", stacklevel=4)
 
 
 def expert_lora_modules(model: nn.Module) -> list[tuple[str, LoRAExperts]]:
@@ -397,8 +423,12 @@ def merge_and_unload(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
         layer.__dict__.pop(_TIED_BASE, None)
         _set_module(model, name, layer.to_linear(dtype))
     for name, experts in expert_lora_modules(model):
+        if isinstance(experts.base_layer, NF4Experts):  # dequantize, then merge in fp32 math
+            experts.base_layer = experts.base_layer.to_experts(dtype)
         experts.merge()
         _set_module(model, name, experts.base_layer)
+    for name in [n for n, m in model.named_modules() if isinstance(m, NF4Experts)]:
+        _set_module(model, name, model.get_submodule(name).to_experts(dtype))
     for name in [n for n, m in model.named_modules() if isinstance(m, NF4Linear)]:
         _set_module(model, name, model.get_submodule(name).to_linear(dtype))
     if dtype is not None:

@@ -16,8 +16,9 @@ is the reference for the file layout (``ftlib.lora.peft_io``): ``lora_A.weight``
 flattened expert-major, ``lora_B.weight`` [out, r*E] is B with rank-major, expert-minor columns
 (``B.permute(1, 2, 0)``); with both parameters of one module adapted, PEFT nests its wrappers in
 the module's parameter order, so ``gate_up_proj``'s tensors are keyed ``experts.base_layer.lora_*``
-and ``down_proj``'s ``experts.lora_*`` (one adapted: ``experts.lora_*``). As in PEFT, no dropout,
-DoRA or NF4 base on experts (refused by ``apply_lora``).
+and ``down_proj``'s ``experts.lora_*`` (one adapted: ``experts.lora_*``). As in PEFT, no dropout or
+DoRA on experts (refused by ``apply_lora``); an NF4 base (QLoRA, ``ftlib.lora.nf4_experts``) works as
+a full-precision one, except that ``merge`` refuses it (``merge_and_unload`` dequantizes, then merges).
 
 Reference: Hu et al. 2021 (LoRA); PEFT 0.21 ``tuners/lora/layer.py`` ``ParamWrapper``.
 """
@@ -83,6 +84,11 @@ class LoRAExperts(nn.Module):
         """W += s B A for each adapted weight (fp32 math); ``unmerge`` subtracts it again."""
         if self.merged:
             return
+        quantized = [n for n in self.adapters if not isinstance(getattr(self.base_layer, n), torch.Tensor)]
+        if quantized:
+            raise RuntimeError(f"LoRAExperts.merge: the stacked base weight {quantized[0]} is NF4; merging in place "
+                               "would re-quantize and lose the update. Use ftlib.lora.merge_and_unload(model) to "
+                               "export a dequantized, merged model")
         for name, a in self.adapters.items():
             w = getattr(self.base_layer, name)
             w.copy_((w.float() + a.delta()).to(w.dtype))

@@ -159,9 +159,15 @@ class NF4Linear(nn.Module):
         """Quantize an ``nn.Linear`` (its dtype becomes the compute dtype). A linear on the ``meta``
         device gives a meta layer of the right shapes, filled later (``ftlib.distributed``'s sharded
         loading quantizes the real weight one layer at a time)."""
-        w = linear.weight.detach()
+        return cls.from_weight(linear.weight, linear.bias, blocksize=blocksize, double_quant=double_quant)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, blocksize: int = 64,
+                    double_quant: bool = False) -> NF4Linear:
+        """Quantize a weight [out, in] (and keep ``bias``): :meth:`from_linear` without the ``nn.Linear``."""
+        w = weight.detach()
         layer = cls(
-            linear.in_features, linear.out_features, linear.bias is not None, blocksize=blocksize,
+            w.shape[1], w.shape[0], bias is not None, blocksize=blocksize,
             double_quant=double_quant, compute_dtype=w.dtype, device=w.device,
         )
         if w.is_meta:
@@ -173,8 +179,8 @@ class NF4Linear(nn.Module):
             layer.absmax.data, layer.absmax2.data, layer.offset.data = q, _bits(absmax2), _bits(offset)
         else:
             layer.absmax.data = _bits(absmax)
-        if linear.bias is not None:
-            layer.bias.data = linear.bias.detach().clone()
+        if bias is not None:
+            layer.bias.data = bias.detach().clone()
         return layer
 
     @classmethod

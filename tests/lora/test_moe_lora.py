@@ -121,9 +121,9 @@ def test_merged_export_loads_in_transformers_and_unmerged_save_is_refused(folder
         assert max_diff(back(x).logits, want) <= 1e-5
 
 
-def test_nf4_leaves_stacked_experts_unquantized_with_a_warning(folders):
+def test_nf4_leaves_unadapted_stacked_experts_unquantized_with_a_warning(folders):
     ours = load_pretrained(folders("qwen3_moe"))
-    with pytest.warns(UserWarning, match="stacked experts .* stay in torch.float32"):
+    with pytest.warns(UserWarning, match="stacked expert weights .* not adapted and stay in full precision"):
         apply_lora(ours, LoRAConfig(target_modules=["q_proj"], quantize="nf4"))
 
 
@@ -133,7 +133,7 @@ def test_router_is_never_adapted_and_experts_only_config(folders):
         apply_lora(ours, LoRAConfig(target_parameters=["mlp.gate.weight"]))
     with pytest.raises(ValueError, match="matched no stacked expert weight"):
         apply_lora(ours, LoRAConfig(target_parameters=["mlp.experts.w1"]))
-    with pytest.raises(ValueError, match="no dropout, DoRA or NF4"):
+    with pytest.raises(ValueError, match="no dropout or DoRA"):
         apply_lora(ours, LoRAConfig(dropout=0.1, target_parameters=BOTH))
     apply_lora(ours, LoRAConfig(r=2, target_modules=[], target_parameters=BOTH))
     names = sorted(trainable_params(ours))
@@ -196,3 +196,57 @@ def test_peft_layout_round_trip_and_expert_order():
     assert torch.equal(lora_b[:, 1], a.lora_B[1, :, 0])  # column j * E + e
     back_a, back_b = from_peft_layout(lora_a, lora_b, 3)
     assert torch.equal(back_a, a.lora_A) and torch.equal(back_b, a.lora_B)
+
+
+def test_one_training_step_equals_peft_loss_and_every_adapter_gradient(tmp_path):
+    """One step of a padded batch, fp32: loss = mean CE + coef x load-balancing loss (padding left out of
+    the router statistics on both sides), LoRA on attention and on the stacked experts. The coefficient
+    is raised to 0.5 so the router term moves the gradients (at 0.001 it would hide in rounding)."""
+    from ftlib.lora.peft_io import adapter_state_dict
+    from ftlib.losses import cross_entropy_sum
+    from ftlib.models import RouterStats
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
+                                      num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                                      router_aux_loss_coef=0.5, max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 0.1) + (1.0 if "norm" in name else 0.0))
+    hf.save_pretrained(tmp_path / "base")
+    ours = load_pretrained(tmp_path / "base")
+    apply_lora(ours, LoRAConfig(r=3, alpha=7, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                target_parameters=BOTH))
+    _randomise(ours, seed=5)  # B != 0: every factor gets a gradient
+    save_adapter(ours, tmp_path / "adapter")
+    pm = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True).train()
+
+    x = ids(b=3, t=20)
+    mask = torch.ones_like(x)
+    mask[1, 13:] = 0  # right padding, as a padded batch holds it
+    mask[2, 7:] = 0
+    labels = torch.where(mask.bool(), x, -100)
+    labels[:, :3] = -100  # a prompt without loss
+    out = pm(input_ids=x, attention_mask=mask, labels=labels, output_router_logits=True)
+    out.loss.backward()
+    want = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
+
+    ours.train()
+    stats = RouterStats()
+    s, n = cross_entropy_sum(ours(x, attention_mask=mask, router_stats=stats), labels)
+    aux = stats.load_balancing_loss()
+    loss = s / n + ours.config.router_aux_loss_coef * aux
+    loss.backward()
+    assert abs(float(aux.detach()) - float(out.aux_loss.detach())) <= 1e-6
+    assert abs(float(loss.detach()) - float(out.loss.detach())) <= 1e-5
+    with torch.no_grad():  # the gradients in PEFT's layout: each factor's value replaced by its gradient
+        for p in trainable_params(ours).values():
+            p.copy_(p.grad)
+    got = adapter_state_dict(ours)
+    assert sorted(got) == sorted(want) and any(".mlp.experts." in k for k in got)
+    for k, g in got.items():
+        scale = want[k].abs().max().item()
+        assert scale > 0, k
+        assert max_diff(g, want[k]) <= 1e-5 * max(1.0, scale), (k, max_diff(g, want[k]), scale)
