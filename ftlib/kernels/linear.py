@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ftlib._backends import cpu_or_torch
+from ftlib._backends import backend_choice, cannot_run, cpu_or_torch
 from ftlib.cpu import FrozenLinear, bias_fits, onednn_input_grad, onednn_linear, onednn_unsupported
 
 __all__ = ["linear", "linear_backend", "linear_input_grad", "linear_nograd"]
@@ -56,7 +56,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     neither weight nor bias takes a gradient (frozen, or grad mode off); ``F.linear`` itself otherwise
     (same value and gradients up to fp32 rounding)."""
     trains = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
-    if (trains or not bias_fits(bias, weight.shape[0]) or x.shape[-1] != weight.shape[-1]
-            or linear_backend(x, weight) != "cpu"):
+    if trains or not bias_fits(bias, weight.shape[0]) or x.shape[-1] != weight.shape[-1]:
+        if backend_choice("FTLIB_LINEAR_BACKEND") == "cpu":  # forced: say why it cannot run, never fall back
+            why = ("the weight or bias takes a gradient (the oneDNN node computes only dx)" if trains
+                   else "the bias or the input's last dim does not fit the weight")
+            raise cannot_run("FTLIB_LINEAR_BACKEND", "cpu", why)
+        return F.linear(x, weight, bias)
+    if linear_backend(x, weight) != "cpu":
         return F.linear(x, weight, bias)
     return FrozenLinear.apply(x, weight, bias)

@@ -92,6 +92,8 @@ def test_backend_choice(monkeypatch):
     assert linear_backend(x, w) == "cpu"
     with pytest.raises(RuntimeError, match="FTLIB_LINEAR_BACKEND=cpu cannot run this call: .*fp32"):
         linear_backend(x.double(), w.double())
+    with pytest.raises(RuntimeError, match="FTLIB_LINEAR_BACKEND=cpu cannot run this call: .*takes a gradient"):
+        linear(x, wt)  # forced: a weight that trains is refused, not quietly run on F.linear
     monkeypatch.setenv("FTLIB_LINEAR_BACKEND", "mkl")
     with pytest.raises(ValueError, match=r"FTLIB_LINEAR_BACKEND='mkl': expected one of auto\|cpu\|torch"):
         linear_backend(x, w)
