@@ -117,9 +117,14 @@ def attention_backend(q: torch.Tensor, key_padding_mask: torch.Tensor | None = N
     this call (k and v default to q's shape: pass them for grouped-query heads; ``separate_k``: the call
     has key segments of its own, ``cu_seqlens_k``)."""
     want = backend_choice(_VAR)
-    cpu_why = None if q.is_cuda and want == "auto" else attention_cpu_unsupported(
-        q, q if k is None else k, q if v is None else v, key_padding_mask=key_padding_mask,
-        sliding_window=sliding_window, softcap=softcap)
+    if want == "auto" and (q.is_cuda or torch.compiler.is_compiling()):
+        # CUDA: never the CPU kernel. Under torch.compile ``auto`` traces the PyTorch ops (as the other
+        # CPU families do), and the kernel's library check (ctypes) is not traceable.
+        cpu_why = "CUDA tensors" if q.is_cuda else "inside torch.compile (auto traces the PyTorch ops)"
+    else:
+        cpu_why = attention_cpu_unsupported(
+            q, q if k is None else k, q if v is None else v, key_padding_mask=key_padding_mask,
+            sliding_window=sliding_window, softcap=softcap)
     if separate_k and cpu_why is None:
         cpu_why = "the C++ kernel has no separate key segments (cu_seqlens_k)"
     return _choose(
