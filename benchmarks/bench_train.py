@@ -5,6 +5,7 @@
     python benchmarks/bench_train.py --profile         # ftlib's step by phase (wall and CPU time), top ops
     python benchmarks/bench_train.py --device cuda --gpu-1b --budget-s 90   # GPU table: Llama-3.2-1B shape, bf16, MFU
     python benchmarks/bench_train.py --family qwen3_moe --quick      # the MoE job (below), ftlib vs transformers + peft
+    python benchmarks/bench_train.py --family qwen3                  # the dense job shaped as Qwen3 (below)
 
 Duration knobs: ``--tokens`` / ``--tokens-large`` (real-token budget per run), ``--rounds`` /
 ``--rounds-large``, ``--variants``, ``--vocab``, ``--budget-s`` (no run starts after it, a running
@@ -23,6 +24,12 @@ memory): ftlib packs documents into rows of that length (best-fit decreasing), t
 variants take ``round(seq_len / mean length)`` documents per batch (as many real tokens on
 average). Each variant trains on the same budget of real tokens, then scores the same held-out
 documents.
+
+``--family qwen3``: the same job on a Qwen3-shaped model of the same width and depth: RMSNorm on
+each head's q and k before RoPE, an explicit ``head_dim`` 128 with 8 query heads (q_proj widens
+512 -> 1024, as Qwen3-0.6B's 1024 -> 2048), SwiGLU 3 x hidden = 1536, the head tied to the
+embeddings, RoPE base 1e6; both libraries build it from the same config.json (``Qwen3ForCausalLM``
+on the transformers side), LoRA and every rule as for the Llama job.
 
 ``--family qwen3_moe``: the same job on a Qwen3-MoE-shaped model (6 layers, hidden 512, GQA 8/4,
 head_dim 64, q/k norms, 8 routed experts of width 352, top-2 renormalised: 704 active MLP columns a
@@ -137,7 +144,7 @@ MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "
 LR = 3e-3
 LORA = dict(r=16, alpha=32, dropout=0.05)
 MOE_LORA = dict(r=16, alpha=32, dropout=0.0, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-FAMILIES = ("llama", "qwen3_moe")
+FAMILIES = ("llama", "qwen3", "qwen3_moe")
 
 
 def _family(args) -> str:
@@ -152,7 +159,7 @@ def lora_kwargs(args) -> dict:
 def shape_tag(args) -> str:
     if getattr(args, "gpu_1b", False):
         return "llama-3.2-1b"
-    return "6x512-qwen3moe-8x2" if _family(args) == "qwen3_moe" else "6x512"
+    return {"qwen3_moe": "6x512-qwen3moe-8x2", "qwen3": "6x512-qwen3"}.get(_family(args), "6x512")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +173,9 @@ def model_shape(args) -> dict:
     layers = args.get("layers") if isinstance(args, dict) else getattr(args, "layers", None)
     shape = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=layers or 6, num_attention_heads=8,
                  num_key_value_heads=4, tie_word_embeddings=False, rope_theta=10000.0)
+    if _family(args) == "qwen3":  # Qwen3-0.6B's traits: q/k norms, head_dim 128 != 512 / 8, MLP 3 x hidden, tied head
+        shape.update(model_type="qwen3", head_dim=128, intermediate_size=1536, tie_word_embeddings=True,
+                     rope_theta=1000000.0)
     if _family(args) == "qwen3_moe":
         shape.update(model_type="qwen3_moe", head_dim=64, num_experts=8, num_experts_per_tok=2,
                      moe_intermediate_size=352, norm_topk_prob=True)
@@ -868,8 +878,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--gpu-1b", action="store_true", help="Llama-3.2-1B shape, vocab 128256, bf16")
-    ap.add_argument("--family", default="llama", choices=FAMILIES, help="the job's model: the dense Llama shape or "
-                    "a Qwen3-MoE of the same width (8 experts, top-2)")
+    ap.add_argument("--family", default="llama", choices=FAMILIES, help="the job's model: the dense Llama shape, "
+                    "a Qwen3 of the same width (q/k norms, head_dim 128, tied head) or a Qwen3-MoE (8 experts, top-2)")
     ap.add_argument("--bf16", action="store_true", help="bf16 base weights and autocast (implied by --gpu-1b)")
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting runs after this many seconds")
     ap.add_argument("--peak-tflops", type=float, default=None, help="device bf16 peak for MFU (default: by name)")
@@ -885,6 +895,8 @@ def parse_args(argv=None):
     args.vocab = [int(v) for v in args.vocab.split(",")]
     if args.quick:
         args.rounds, args.vocab, args.tokens, args.docs = 1, [8192], 6000, 600
+    if args.gpu_1b and args.family != "llama":
+        ap.error(f"--gpu-1b is Llama-3.2-1B's shape; --family {args.family} runs the CPU job's width")
     if args.gpu_1b:
         args.vocab, args.bf16 = [128256], True
         if args.rows == 1:

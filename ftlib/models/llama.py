@@ -131,6 +131,7 @@ class BatchPlan:
     key_padding_mask: torch.Tensor | None = None  # (B, T) bool, dense mode only
     kv_cache: Any = None  # ftlib.models.generate.KVCache
     keys: int = 0  # the longest run of keys a query sees
+    rope_len: int | None = None  # the longest position + 1 when the host knows it (plain: T, packed: max_seqlen)
     cos: torch.Tensor | None = None  # (B, T, R) RoPE tables in the activations' dtype, set by the model
     sin: torch.Tensor | None = None
     local_cos: torch.Tensor | None = None  # (B, T, R) the sliding layers' tables (Gemma-3), else None
@@ -157,7 +158,7 @@ class BatchPlan:
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             if position_ids is None:
                 position_ids = _positions_from_cu_seqlens(cu_seqlens, b, t)
-            return cls("varlen", position_ids, cu_seqlens, max_seqlen, keys=max_seqlen)
+            return cls("varlen", position_ids, cu_seqlens, max_seqlen, keys=max_seqlen, rope_len=max_seqlen)
         if kv_cache is not None:
             first, keys = kv_cache.length == 0, kv_cache.length + t
             default_pos = kv_cache.prepare(attention_mask, t)
@@ -176,9 +177,30 @@ class BatchPlan:
             if segments is not None:  # same result for real tokens, and the fused varlen kernels apply
                 return cls("varlen", position_ids, *segments, keys=t)
             key_mask = attention_mask.bool()  # real tokens not one run per row: a dense key mask
+        rope_len = None
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
-        return cls("dense", position_ids, key_padding_mask=key_mask, keys=t)
+            rope_len = t
+        return cls("dense", position_ids, key_padding_mask=key_mask, keys=t, rope_len=rope_len)
+
+    def rope_seq_len(self) -> int:
+        """The longest position + 1, S of ``dynamic`` and ``longrope`` RoPE (``ftlib.models.rope``).
+
+        Known on the host, so a compiled forward reads nothing from the device and has no graph
+        break: T for a plain batch, ``max_seqlen`` for a packed one (positions restart at 0 per
+        document, the batch contract; in eager the positions are checked against it, one read per
+        forward). Padded and decoding batches read it from ``position_ids`` once (their layout is
+        read on the host already).
+        """
+        if self.rope_len is None:
+            return int(self.position_ids.max()) + 1 if self.position_ids.numel() else 0
+        if self.mode == "varlen" and not torch.compiler.is_compiling():
+            got = int(self.position_ids.max()) + 1 if self.position_ids.numel() else 0
+            if got != self.rope_len:
+                raise ValueError(f"packed batch: the longest position + 1 is {got} but max_seqlen is {self.rope_len}; "
+                                 "dynamic / longrope RoPE take it from max_seqlen, which must be the longest document "
+                                 "(position_ids restarting at 0 per document)")
+        return self.rope_len
 
     def rope_tables(self, kind: str | None):
         """(cos, sin) for a layer whose ``config.layer_rope`` is ``kind`` (None: no RoPE)."""
@@ -354,6 +376,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.norm_offset,
                             scale_fp32=config.norm_layout == "post")
+        # an int fixed here: under torch.compile(dynamic=True) a float config field (partial_rotary_factor) is
+        # symbolic, and int(head_dim * it) would make the RoPE tables' width a symbol with no source
+        self.rotary_dim = config.rotary_dim
 
     def forward(
         self,
@@ -378,14 +403,14 @@ class LlamaModel(nn.Module):
         scaling = cfg.rope_scaling
         seq_len = None
         if scaling is not None and scaling["rope_type"] in ("dynamic", "longrope"):  # depend on the longest position
-            seq_len = int(plan.position_ids.max()) + 1 if plan.position_ids.numel() else 0
+            seq_len = plan.rope_seq_len()
         if "global" in kinds:
-            inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, scaling, x.device, seq_len=seq_len,
+            inv_freq = rope_inv_freq(self.rotary_dim, cfg.rope_theta, scaling, x.device, seq_len=seq_len,
                                      max_position_embeddings=cfg.max_position_embeddings)
             scale = rope_attention_scaling(scaling, cfg.max_position_embeddings)
             plan.cos, plan.sin = rope_cos_sin(inv_freq, plan.position_ids, x.dtype, scale)  # (B, T, R)
         if "local" in kinds:  # Gemma-3's sliding layers: their own base, no scaling
-            inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_local_theta, None, x.device)
+            inv_freq = rope_inv_freq(self.rotary_dim, cfg.rope_local_theta, None, x.device)
             plan.local_cos, plan.local_sin = rope_cos_sin(inv_freq, plan.position_ids, x.dtype)
         for layer in self.layers:
             x = layer(x, plan)

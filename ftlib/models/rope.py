@@ -62,8 +62,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, devi
     """Inverse frequencies float32 [head_dim // 2] for base ``theta`` and an optional scaling dict.
 
     ``head_dim`` is the rotary dim R. ``seq_len`` (the forward's longest position + 1) selects
-    ``dynamic``'s base and ``longrope``'s factors; ``max_position_embeddings`` is M for ``dynamic``
-    (and ``longrope``'s default ``factor``).
+    ``dynamic``'s base and ``longrope``'s factors; a Python int the caller knows on the host
+    (``BatchPlan.rope_seq_len``), so under ``torch.compile`` the choice is a guard, not a device
+    read. ``max_position_embeddings`` is M for ``dynamic`` (and ``longrope``'s default ``factor``).
     """
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":

@@ -1,8 +1,9 @@
 """``ftlib sft --model`` on tiny Qwen3, Gemma-3 and Phi-3 folders (written by transformers,
 the demo's tokenizer and data, each family's chat template): it trains, lowers nothing it should not, and
 its adapter loads in PEFT on the transformers model with ftlib's logits. The assistant-only loss mask of
-each template is checked token by token in ``tests/data/test_formatting.py`` (gemma, phi3, qwen2) and
-``tests/data/test_qwen3_thinking.py`` (Qwen3's, against transformers' rendering)."""
+each template is checked token by token in ``tests/data/test_formatting.py`` (gemma, gemma3, phi3, qwen2),
+``tests/data/test_gemma3_template.py`` (Gemma-3's hub file) and ``tests/data/test_qwen3_thinking.py``
+(Qwen3's, against transformers' rendering)."""
 
 import json
 import shutil
@@ -19,22 +20,7 @@ from ftlib.cli import sft  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS / "data"))
-from _chat_templates import PHI3, QWEN2, QWEN3  # noqa: E402
-
-# Gemma-3's template (tokenizer_config.json of the instruct models, text items only): the system turn is
-# folded into the first user turn, assistant turns are role "model", turns end with <end_of_turn>.
-GEMMA3 = (
-    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + "
-    "'\n\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
-    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
-    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
-    "{%- set role = message['role'] -%}{%- endif -%}"
-    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
-    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"
-)
+from _chat_templates import GEMMA3, PHI3, QWEN2, QWEN3  # noqa: E402
 
 SIZES = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512)

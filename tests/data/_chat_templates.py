@@ -50,6 +50,59 @@ GEMMA = (
     "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
 )
 
+# Gemma-3's template as shipped (google/gemma-3-1b-it ... -27b-it, tokenizer_config.json "chat_template",
+# the JSON string decoded: its '\n' are newline characters): the system turn is folded into the first user
+# turn (the system text, a blank line, the user's text), assistant turns are role "model", every turn ends
+# <end_of_turn>\n, a content may be a list of text / image items (an image becomes <start_of_image>).
+GEMMA3 = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '
+
+' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '
+
+' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '
+' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>
+' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model
+'}}
+{%- endif -%}
+"""
+
 PHI3 = (
     "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
     "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
@@ -68,6 +121,7 @@ TEMPLATES = {
     "mistral": (MISTRAL, "<s>", "</s>", "[/INST]", "</s>", False),
     "qwen2": (QWEN2, None, "<|endoftext|>", "<|im_start|>assistant\n", "<|im_end|>", False),
     "gemma": (GEMMA, "<bos>", "<eos>", "<start_of_turn>model\n", "<end_of_turn>", True),
+    "gemma3": (GEMMA3, "<bos>", "<eos>", "<start_of_turn>model\n", "<end_of_turn>", True),
     "phi3": (PHI3, None, "<|endoftext|>", "<|assistant|>\n", "<|end|>", False),
 }
 
