@@ -95,3 +95,13 @@ def test_kto_flags_are_checked(setup, capsys):
         with pytest.raises(SystemExit) as e:
             dpo.parse_args(base + extra)
         assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_kto_zero_baseline_runs_no_mismatched_documents(setup):
+    root, model = setup
+    args = [a if a != "8" else "1" for a in ARGS]  # one epoch
+    _, res = dpo.train(["--model", str(model), "--data", str(root / "kto.jsonl"), "--out", str(root / "zero"),
+                        "--lenient", "--kto-baseline", "zero", *args])
+    assert len(res["log"]) == 24 // 4 and all(r["kl"] == 0.0 for r in res["log"])
+    run = json.loads((root / "zero" / "run.json").read_text())
+    assert "zero" in json.dumps(run)
