@@ -13,6 +13,17 @@ The full command; ``examples/dpo.py`` is the same loop in 200 lines to read and 
     6. evaluate held-out pairs (reward accuracy, margin) and the exact match of greedy generations
        with the chosen answers, before and after; save the adapter in PEFT's format
 
+KTO (``--loss kto``, Ethayarajh et al. 2024; ``ftlib.rl.kto_loss``, equal to TRL's ``KTOTrainer``):
+unpaired records in TRL's format (``prompt``, ``completion``, ``label`` true/false, plain or
+conversational) go through the same pair cache (``PairConfig(unpaired=True)``) and ``PairLoader``
+(one packed row per micro-batch: the examples, then the mismatched prompt/completion documents of
+the reference-KL baseline z0). ``--kto-baseline kl`` (default) estimates z0 per micro-batch from
+those documents, ``zero`` fixes z0 = 0 (TRL's ``apo_zero_unpaired``, no mismatched documents);
+``--desirable-weight`` / ``--undesirable-weight`` are λ_D / λ_U. The reference is the model with its
+adapters disabled, a no-grad pass per step (``--reference adapters-off``; the mismatched documents
+change with every batch, so nothing is precomputed). Held-out pair metrics, the margin filter, RPO
+and DPOP are pair features and are refused with ``--loss kto``.
+
 Guards against likelihood displacement (the margin grows while the chosen responses' likelihood
 falls): ``--rpo-alpha`` adds the chosen response's NLL per token (RPO, TRL's ``rpo_alpha``),
 ``--dpop-lambda`` DPOP's penalty; every step logs the chosen/rejected log-probs, rewards and margins
@@ -91,6 +102,7 @@ from ftlib.preference import (
     precompute_reference,
     reference_pair_logps,
 )
+from ftlib.rl import KTOConfig, kto_logps, kto_loss, reference_kto_logps
 from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay
 from ftlib.train import (
     ResumeError,
@@ -125,7 +137,7 @@ SETTINGS = ("model", "sft_adapter", "kind", "chat_template", "max_length", "max_
 FIXED = ("model", "sft_adapter", "kind", "chat_template", "max_length", "max_prompt_length", "seq_len", "lora_r",
          "lora_alpha", "targets", "rslora", "dora", "seed", "precision", "reference", "data_fingerprint",
          "messages_field", "prompt_field", "system_field", "turn_end")
-
+KTO_SETTINGS = ("desirable_weight", "undesirable_weight", "kto_baseline")  # compared on resume with --loss kto
 DEFAULTS = {"max_length": 1024, "batch_size": 2, "grad_accum": 8, "epochs": 1, "lr": 5e-6, "beta": 0.1,
             "rpo_alpha": None}
 DEMO_DEFAULTS = {"max_length": 64, "batch_size": 4, "grad_accum": 1, "epochs": 2, "lr": 1e-3, "beta": 0.5,
@@ -157,7 +169,12 @@ def build_parser() -> FlagParser:
     g.add_argument("--max-prompt-length", type=whole(1), default=None, help="cap on the prompt (default: none)")
     g.add_argument("--seq-len", type=whole(1), default=None, help="packed row length (default 2 x --max-length)")
     g.add_argument("--lora-plus", type=number(0, above=True), default=None, help="LoRA+ ratio: lr of B = ratio * lr")
-    g.add_argument("--loss", choices=LOSS_KINDS, default="sigmoid")
+    g.add_argument("--loss", choices=(*LOSS_KINDS, "kto"), default="sigmoid",
+                   help="the preference loss; kto: unpaired prompt/completion/label records (ftlib.rl.kto_loss)")
+    g.add_argument("--kto-baseline", choices=["kl", "zero"], default="kl",
+                   help="--loss kto: the reference-KL baseline z0 from mismatched pairs per batch, or z0 = 0")
+    g.add_argument("--desirable-weight", type=number(0), default=1.0, help="--loss kto: lambda_D (label true)")
+    g.add_argument("--undesirable-weight", type=number(0), default=1.0, help="--loss kto: lambda_U (label false)")
     g.add_argument("--beta", type=float, default=None,
                    help="beta (0.1; demo 0.5); for orpo the weight lambda of the odds term")
     g.add_argument("--label-smoothing", type=float, default=0.0, help="sigmoid/simpo: conservative DPO; robust: noise rate")
@@ -170,8 +187,9 @@ def build_parser() -> FlagParser:
                    help="DPOP: lambda x max(0, ref - policy chosen log-prob) subtracted from the margin (0: off)")
     g.add_argument("--displacement-window", type=int, default=50,
                    help="steps over which falling chosen log-probs with a growing margin raise a warning")
-    g.add_argument("--reference", choices=["precompute", "adapters-off"], default="precompute",
-                   help="precompute: reference log-probs once into the pair cache; adapters-off: a no-grad pass per step")
+    g.add_argument("--reference", choices=["precompute", "adapters-off"], default=None,
+                   help="precompute (default; adapters-off for kto): reference log-probs once into the pair cache; "
+                        "adapters-off: a no-grad pass per step")
     g.add_argument("--margin-filter", action="store_true",
                    help="keep pairs whose z-scored reward margin exceeds a decaying threshold (needs rewards)")
     g.add_argument("--filter-start", type=float, default=0.3)
@@ -213,6 +231,21 @@ def parse_args(argv=None):
     for k, unset in NOT_HERE.items():
         if getattr(args, k) != unset:
             p.error(f"--{k.replace('_', '-')} is not available in ftlib dpo")
+    if args.loss == "kto":
+        for flag, bad in (("--demo", args.demo), ("--eval-data", args.eval_data), ("--margin-filter", args.margin_filter),
+                          ("--rpo-alpha", args.rpo_alpha is not None), ("--dpop-lambda", args.dpop_lambda != 0),
+                          ("--label-smoothing", args.label_smoothing != 0), ("--length-normalize",
+                                                                             args.length_normalize is not None),
+                          ("--reference precompute", args.reference == "precompute")):
+            if bad:
+                p.error(f"{flag} is not available with --loss kto (unpaired examples; see ftlib dpo --help)")
+        args.reference = "adapters-off"
+    else:
+        for flag, v, unset in (("--kto-baseline", args.kto_baseline, "kl"), ("--desirable-weight", args.desirable_weight, 1.0),
+                               ("--undesirable-weight", args.undesirable_weight, 1.0)):
+            if v != unset:
+                p.error(f"{flag} applies to --loss kto only")
+        args.reference = args.reference or "precompute"
     if args.eval_every and not args.eval_data:
         p.error("--eval-every evaluates the held-out pairs: pass --eval-data FILE")
     check_output_flags(p, args)
@@ -316,7 +349,7 @@ def train(argv: list[str] | None = None):
                       prompt_field=args.prompt_field, system_field=args.system_field, turn_end=args.turn_end,
                       eos_token=tok.eos_token, bos_token=tok.bos_token, max_length=args.max_length,
                       add_bos=args.kind == "text" and tok.bos_token is not None,
-                      max_prompt_length=args.max_prompt_length)
+                      max_prompt_length=args.max_prompt_length, unpaired=args.loss == "kto")
     pad_id = tok.pad_id
     caches = {}
     for split, src in (("train", args.data), ("eval", args.eval_data)):
@@ -342,8 +375,14 @@ def train(argv: list[str] | None = None):
         (out / "skipped.json").write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=1) + "\n")
 
     data_fp = hashlib.sha256(json.dumps({k: c.fingerprint() for k, c in caches.items()}, sort_keys=True).encode()).hexdigest()
+    kto = None
     try:
-        loss_fn = PreferenceLoss(args.loss, beta=args.beta, label_smoothing=args.label_smoothing, gamma=args.gamma,
+        if args.loss == "kto":
+            kto = KTOConfig(beta=args.beta, desirable_weight=args.desirable_weight,
+                            undesirable_weight=args.undesirable_weight,
+                            loss_type="kto" if args.kto_baseline == "kl" else "apo_zero_unpaired")
+        loss_fn = PreferenceLoss(args.loss if kto is None else "sigmoid", beta=args.beta,
+                                 label_smoothing=args.label_smoothing, gamma=args.gamma,
                                  length_normalize=args.length_normalize, rpo_alpha=args.rpo_alpha,
                                  dpop_lambda=args.dpop_lambda)
     except ValueError as e:
@@ -357,17 +396,24 @@ def train(argv: list[str] | None = None):
                                  f"+ {args.sft_adapter or 'no SFT adapter'}", progress=False)
         log("reference log-probs precomputed into the pair caches")
 
-    loader = PairLoader(caches["train"], batch_size=args.batch_size, seq_len=args.seq_len, pad_id=pad_id,
-                        seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda",
-                        trim_padding=device.type == "cpu")  # eager CPU steps: no compute on the rows' padding
-    log(f"train: {len(loader)} micro-batches/epoch/rank, packing {loader.pack_stats}")
+    if kto is not None:  # one packed row per micro-batch: the examples, then (kl) their mismatched documents
+        loader = PairLoader(caches["train"], batch_size=args.batch_size, pad_id=pad_id, seed=args.seed,
+                            num_workers=args.num_workers, pin_memory=device.type == "cuda", kl=kto.loss_type == "kto")
+        n_good = int(caches["train"].label.sum())
+        log(f"train: {len(loader)} micro-batches/epoch/rank of {args.batch_size} examples "
+            f"({n_good} desirable, {len(caches['train']) - n_good} undesirable)")
+    else:
+        loader = PairLoader(caches["train"], batch_size=args.batch_size, seq_len=args.seq_len, pad_id=pad_id,
+                            seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                            trim_padding=device.type == "cpu")  # eager CPU steps: no compute on the rows' padding
+        log(f"train: {len(loader)} micro-batches/epoch/rank, packing {loader.pack_stats}")
     mfilter = None
     if args.margin_filter:
         if not torch.isfinite(torch.from_numpy(caches["train"].effective_margin)).any():
             usage_error("--margin-filter needs reward_chosen/reward_rejected or margin in the pairs; none has them")
         mfilter = MarginFilter(args.filter_start, args.filter_decay, args.filter_every, args.filter_floor, pad_id=pad_id)
 
-    train_model = PairPolicy(model)
+    train_model = PairPolicy(model) if kto is None else _KTOPolicy(model)
     if world > 1:
         train_model = wrap_ddp(train_model)
     try:
@@ -386,7 +432,7 @@ def train(argv: list[str] | None = None):
     # the settings are compared with the saved run's. The margin filter's counts and the log so far
     # ride in the checkpoint's extra state.
     save_every = args.save_every if args.save_every is not None else max(1, total // 10)
-    settings = run_settings(vars(args), SETTINGS, out=out) | {"chat_template": template, "precision": precision,
+    settings = run_settings(vars(args), SETTINGS + (KTO_SETTINGS if kto is not None else ()), out=out) | {"chat_template": template, "precision": precision,
                                                               "data_fingerprint": data_fp}
     try:
         resumed = resume_train_state(out / "checkpoints", resume=args.resume, settings=settings,
@@ -442,12 +488,24 @@ def train(argv: list[str] | None = None):
                 if mfilter is not None:
                     batch = mfilter(batch, step)
                 tokens_seen += int((batch["labels"] != -100).sum())
-                real_tokens += pair_tokens(batch)
+                real_tokens += pair_tokens(batch) if kto is None else int(batch["cu_seqlens"][2 * batch["n_examples"]
+                                                                          if kto.loss_type == "kto" else
+                                                                          batch["n_examples"]])
                 batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+                last = micro == args.grad_accum - 1
+                if kto is not None:
+                    ref, ref_kl = reference_kto_logps(model, batch, autocast=opt.autocast)
+                    with opt.grad_sync(train_model, enabled=last) if world > 1 else nullcontext():
+                        with opt.autocast():
+                            pol, pol_kl = train_model(batch)
+                        res = kto_loss(pol, ref, batch["label"], kto, policy_kl_logps=pol_kl, reference_kl_logps=ref_kl)
+                        opt.backward(res.losses.sum(), res.losses.numel())  # per-example losses, mean over the window
+                    stats.append({**res.stats, "n_pairs": int(res.losses.numel()),
+                                  "n_desirable": int(batch["label"].sum())})
+                    continue
                 ref = None
                 if loss_fn.needs_reference:  # precomputed values ride in the batch, else a no-grad pass
                     ref = reference_pair_logps(model, batch, autocast=opt.autocast)
-                last = micro == args.grad_accum - 1
                 sync = opt.grad_sync(train_model, enabled=last) if world > 1 else nullcontext()
                 with sync:
                     with opt.autocast():
@@ -461,7 +519,7 @@ def train(argv: list[str] | None = None):
             # every step: TRL's names, pair-weighted over the window's micro-batches
             rec = {"step": step, "loss": round(result.loss, 4),
                    **{k: round(_pair_mean(stats, k), 4) for k in sorted({k for st in stats for k in st})
-                      if "/" in k or k == "nll_loss"},
+                      if "/" in k or k in ("nll_loss", "kl")},
                    "lr": sched.get_last_lr()[0], "grad_norm": round(result.grad_norm, 4), "skipped": opt.skipped_steps}
             if mfilter is not None:
                 rec["filter"] = dict(mfilter.counts, threshold=round(mfilter.threshold(step), 4))
@@ -522,10 +580,21 @@ def train(argv: list[str] | None = None):
     return model, {"log": logs, "before": before, "after": after}
 
 
+class _KTOPolicy(torch.nn.Module):
+    """The policy of a KTO step as one module (what DDP wraps): batch -> ``kto_logps``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict):
+        return kto_logps(self.model, batch)
+
+
 def _pair_mean(stats: list[dict], key: str) -> float:
     """Pair-weighted mean of ``key`` over the micro-batches' ``PreferenceOutput.stats()``."""
-    n = sum(s["n_pairs"] for s in stats)
-    return sum(s[key] * s["n_pairs"] for s in stats if s["n_pairs"]) / max(n, 1)
+    have = [s for s in stats if key in s and s["n_pairs"]]  # KTO: a micro-batch may hold no desirable example
+    return sum(s[key] * s["n_pairs"] for s in have) / max(sum(s["n_pairs"] for s in have), 1)
 
 
 def _fmt(m: dict | None) -> str:

@@ -39,6 +39,7 @@ from .pair_batches import (
     PairLoader,
     collate_pairs_packed,
     collate_pairs_padded,
+    collate_unpaired,
     pair_tokens,
     select_pairs,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "collate_packed",
     "collate_pairs_packed",
     "collate_pairs_padded",
+    "collate_unpaired",
     "cpp_available",
     "decode_item",
     "detect_turn_end",

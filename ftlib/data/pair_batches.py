@@ -28,6 +28,12 @@ label and whose pairs are named nowhere (``pair_ids`` etc. are empty for it): th
 forward and backward like the others, and the loss, the reward statistics and
 ``precompute_reference`` see no pair twice.
 
+Unpaired (KTO) caches (``cache.unpaired``): a unit is an example and ``batch_size`` counts
+examples; a batch is one row of exactly its tokens (``collate_unpaired``, no padding): the B
+documents x_i + y_i, then (``kl=True``) the B mismatched x_i + y_{i-1} (completions rotated by
+one within the batch, TRL's KL pairs), i.e. ``ftlib.rl.pack_kto``'s layout, with ``label`` bool
+[B], ``n_examples`` = B and ``example_ids`` int64 [B]; a filler's documents follow, without labels.
+
 Reward-margin filtering (``MarginFilter``), rejection sampling on scored pairs: per batch the
 margins are z-scored, ``z_i = (m_i - mean(m)) / std(m)`` over the batch's scored pairs, and pair
 i is kept iff ``z_i > tau(step)`` with
@@ -53,7 +59,8 @@ from .collate import doc_labels, pad_collate
 from .loader import UnitLoader, lengths_sha256
 from .packing import pack
 
-__all__ = ["MarginFilter", "PairLoader", "collate_pairs_packed", "collate_pairs_padded", "pair_tokens", "select_pairs"]
+__all__ = ["MarginFilter", "PairLoader", "collate_pairs_packed", "collate_pairs_padded", "collate_unpaired", "pair_tokens",
+           "select_pairs"]
 
 _PER_PAIR = ("pair_ids", "margin", "ref_chosen", "ref_rejected")
 
@@ -134,6 +141,34 @@ def collate_pairs_padded(cache, pair_ids, pad_id: int, *, pad_to_multiple_of: in
     return {**batch, "chosen_index": keep, "rejected_index": P + keep, **_pair_extras(cache, pair_ids[real])}
 
 
+def collate_unpaired(cache, example_ids, *, kl: bool = True, loss=None) -> dict:
+    """One row of the unpaired examples ``example_ids`` (and their mismatched documents when ``kl``).
+
+    ``loss``: optional per-example flags; a False example (a filler) keeps its tokens, after the
+    real documents, without labels, and is named nowhere (``example_ids``, ``label``)."""
+    ex = np.asarray(example_ids, dtype=np.int64)
+    real = np.ones(len(ex), bool) if loss is None else np.asarray(loss, dtype=bool)
+    got = [cache.example(int(i)) for i in ex]
+    ok = [g for g, r in zip(got, real) if r]
+    docs = [(p, c, m, True) for p, (c, m), _ in ok]
+    if kl:  # TRL: x_i with y_{i-1}
+        docs += [(ok[i][0], ok[i - 1][1][0], ok[i - 1][1][1], True) for i in range(len(ok))]
+    docs += [(p, c, m, False) for (p, (c, m), _), r in zip(got, real) if not r]
+    ids, lab, pos, cu = [], [], [], [0]
+    for p, c, m, with_loss in docs:
+        tok = np.concatenate([p, c]).astype(np.int64)
+        ids.append(tok)
+        lab.append(doc_labels(tok, np.concatenate([np.zeros(len(p), np.uint8), m]), with_loss))
+        pos.append(np.arange(len(tok)))
+        cu.append(cu[-1] + len(tok))
+    cu_arr = np.asarray(cu, dtype=np.int32)
+    return {"input_ids": torch.from_numpy(np.concatenate(ids))[None], "labels": torch.from_numpy(np.concatenate(lab))[None],
+            "position_ids": torch.from_numpy(np.concatenate(pos))[None], "cu_seqlens": torch.from_numpy(cu_arr),
+            "max_seqlen": int(np.diff(cu_arr).max()), "n_examples": len(ok),
+            "label": torch.tensor([g[2] for g in ok], dtype=torch.bool),
+            "example_ids": torch.from_numpy(ex[real])}
+
+
 def pair_tokens(batch: dict) -> int:
     """Real tokens of a pair batch: both sequences (prompt + response, the prompt once per side) of
     every pair it names; padding, padding tails and fillers are not counted. The throughput unit of
@@ -195,6 +230,8 @@ def select_pairs(batch: dict, keep: torch.Tensor, pad_id: int = 0) -> dict:
 
 def _pair_batch(cache, plan, opts, units, real):
     """A PairLoader batch: packed rows of ``plan``, or padded pairs (fillers without labels or bookkeeping)."""
+    if getattr(cache, "unpaired", False):  # a duck-typed pair source need not say
+        return collate_unpaired(cache, units, kl=opts["kl"], loss=real)
     if plan is not None:
         return collate_pairs_packed(cache, plan, units, opts["pad_id"], loss=real, trim=opts["trim_padding"])
     return collate_pairs_padded(cache, units, opts["pad_id"], pad_to_multiple_of=opts["pad_to_multiple_of"],
@@ -219,8 +256,13 @@ class PairLoader(UnitLoader):
                  drop_last: bool = True, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int | None = 2, group_by_length: bool = False, mega_batch_mult: int = 50,
                  pad_to_multiple_of: int | None = None, padding_side: str = "right", pack_backend: str | None = None,
-                 multiprocessing_context=None, trim_padding: bool = False):
-        if packing and not seq_len:
+                 multiprocessing_context=None, trim_padding: bool = False, kl: bool = True):
+        unpaired = getattr(cache, "unpaired", False)  # a duck-typed pair source need not say
+        if unpaired:
+            if not packing or seq_len is not None or group_by_length or trim_padding:
+                raise ValueError("an unpaired (KTO) cache makes one packed row per batch of exactly its tokens: "
+                                 "pass packing=True without seq_len, group_by_length or trim_padding")
+        elif packing and not seq_len:
             raise ValueError("packing=True needs seq_len")
         if packing and group_by_length:
             raise ValueError("group_by_length applies to padded batches (packing=False)")
@@ -228,11 +270,14 @@ class PairLoader(UnitLoader):
             raise ValueError(f"{cache.path}: the pair cache holds no pairs (see cache.report for skipped records)")
         self.cache, self.packing, self.seq_len = cache, packing, seq_len
         self.opts = {"pad_id": pad_id, "pad_to_multiple_of": pad_to_multiple_of, "padding_side": padding_side,
-                     "trim_padding": trim_padding}
+                     "trim_padding": trim_padding, "kl": kl}
         sc, sr = (np.asarray(x, dtype=np.int64) for x in cache.side_lengths)
         self.footprint = sc + sr  # tokens of a pair in a packed row: 2 p + c + r
         self.plan = None
-        if packing:
+        if unpaired:
+            unit_lengths = sc + sr - cache.prompt_len  # prompt + completion (one side is empty)
+            self.footprint = 2 * unit_lengths if kl else unit_lengths
+        elif packing:
             over = np.flatnonzero(self.footprint > seq_len)
             if len(over):
                 raise ValueError(
@@ -245,12 +290,14 @@ class PairLoader(UnitLoader):
             unit_lengths = np.maximum(sc, sr)  # a padded pair costs two rows of its longer side
         identity = {"n_pairs": len(cache), "n_tokens": int(self.footprint.sum()),
                     "lengths_sha256": lengths_sha256(sc, sr), "packing": packing, "seq_len": seq_len}
+        if unpaired:
+            identity["kl"] = kl
         super().__init__(functools.partial(_pair_batch, cache, self.plan, self.opts), unit_lengths,
                          batch_size=batch_size, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
                          drop_last=drop_last, group_by_length=group_by_length, mega_batch_mult=mega_batch_mult,
                          num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
                          multiprocessing_context=multiprocessing_context, identity=identity,
-                         what="packed rows" if packing else "pairs")
+                         what="examples" if unpaired else "packed rows" if packing else "pairs")
 
     @property
     def pack_stats(self):

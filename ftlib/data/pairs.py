@@ -49,6 +49,14 @@ the document index in the cache (stable for a given cache: sources in order, rec
 A pair cache is an ordinary ``TokenCache`` (fingerprinted, incremental, memory-mapped); do not
 train SFT on it (its mask is not a 0/1 loss mask). Reference log-probabilities can be
 precomputed into it (``ftlib.preference.precompute_reference``): ``reference/<name>.safetensors``.
+
+Unpaired examples (KTO; ``PairConfig(unpaired=True)``): TRL's unpaired format, one record per
+example, ``prompt`` (or ``messages``), ``completion`` (a string or a message list, as a side above)
+and ``label`` (true = desirable, false = undesirable; anything else is a ``bad_field`` error). The
+same formatter, truncation (with the completion as both "responses") and cache: the completion is
+stored as the chosen side when the label is true and as the rejected side when it is false, the
+other side empty (length 0; a preference pair never has an empty side), so
+``PairCache.unpaired`` is read from the lengths and ``PairCache.label`` = ``chosen_len > 0``.
 """
 
 from __future__ import annotations
@@ -105,6 +113,9 @@ class PairConfig:
     reward_chosen_field: str = "reward_chosen"
     reward_rejected_field: str = "reward_rejected"
     margin_field: str = "margin"
+    unpaired: bool = False  # KTO's records: prompt, completion, label (module docstring)
+    completion_field: str = "completion"
+    label_field: str = "label"
     chat_template: str | None = None  # built-in name or Jinja text; required for chat
     turn_end: str | None = None
     bos_token: str | int | None = None
@@ -131,7 +142,7 @@ class PairConfig:
     def fingerprint(self) -> str:
         d = asdict(self)
         d["chat_template"] = BUILTIN_TEMPLATES.get(self.chat_template, self.chat_template)
-        d["layout"] = "pairs-v1"
+        d["layout"] = "unpaired-v1" if self.unpaired else "pairs-v1"
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def formatter(self, tokenizer) -> PairFormatter:
@@ -169,6 +180,8 @@ class PairFormatter:
             bos_token=c.bos_token, eos_token=c.eos_token, add_bos=c.add_bos, add_eos=add_eos))
         self.add_eos = add_eos
         self.stats = {"n_truncated": 0}
+        # the two "responses": an unpaired record's completion plays both, so one set of rules formats it
+        self.sides = ((c.completion_field,) * 2 if c.unpaired else (c.chosen_field, c.rejected_field))
 
     @property
     def n_truncated(self) -> int:
@@ -193,7 +206,7 @@ class PairFormatter:
     def conversation(self, rec: dict, where: str, report):
         """(prompt, chosen, rejected) message lists of a chat record, or None (reported)."""
         c = self.cfg
-        for f in (c.chosen_field, c.rejected_field):
+        for f in self.sides:
             if f not in rec:
                 report.add("missing_field", where, f"field {f!r} not in record")
                 return None
@@ -204,7 +217,7 @@ class PairFormatter:
             if prompt is None:
                 return None
         sides = []
-        for f in (c.chosen_field, c.rejected_field):
+        for f in self.sides:
             s = self._messages(rec[f], f, where, report, role="assistant" if prompt is not None else None)
             if s is None:
                 return None
@@ -231,7 +244,7 @@ class PairFormatter:
             report.add("bad_field", where, "the prompt ends with an assistant turn; the responses must be the "
                        "next assistant turn")
             return None
-        for name, s in (("chosen", chosen), ("rejected", rejected)):
+        for name, s in zip(self.sides, (chosen, rejected)):
             if s[0]["role"] != "assistant":
                 report.add("bad_field", where, f"{name} must start with an assistant turn, got role {s[0]['role']!r}")
                 return None
@@ -276,7 +289,7 @@ class PairFormatter:
 
     def _text_sides(self, rec, where, report):
         c = self.cfg
-        for f in (c.prompt_field, c.chosen_field, c.rejected_field):
+        for f in (c.prompt_field, *self.sides):
             if f not in rec:
                 report.add("missing_field", where, f"field {f!r} not in record")
                 return None
@@ -292,7 +305,7 @@ class PairFormatter:
         if c.add_bos:
             prompt = np.concatenate([[self.fmt.bos_id], prompt])
         sides = []
-        for f in (c.chosen_field, c.rejected_field):
+        for f in self.sides:
             ids = enc(rec[f], c.max_length, "head")
             if not rec[f].strip() or len(ids) == 0:
                 report.add("empty_response", where, f"field {f!r} is empty")
@@ -329,6 +342,15 @@ class PairFormatter:
 
     def __call__(self, rec: dict, where: str, report) -> PairDoc | None:
         c = self.cfg
+        label = None
+        if c.unpaired:
+            if c.label_field not in rec:
+                report.add("missing_field", where, f"field {c.label_field!r} not in record")
+                return None
+            label = rec[c.label_field]
+            if not isinstance(label, bool):
+                report.add("bad_field", where, f"field {c.label_field!r} must be true or false, got {label!r}")
+                return None
         rewards = [self._number(rec, f, where, report)
                    for f in (c.reward_chosen_field, c.reward_rejected_field, c.margin_field)]
         if any(r is None for r in rewards):
@@ -342,7 +364,7 @@ class PairFormatter:
             return None
         prompt, chosen, rejected = sides
         same = lambda a, b: len(a[0]) == len(b[0]) and bool((a[0] == b[0]).all())
-        if same(chosen, rejected):
+        if label is None and same(chosen, rejected):
             report.add("identical_responses", where, "chosen and rejected are the same token sequence")
             return None
         if len(prompt) == 0:
@@ -351,13 +373,16 @@ class PairFormatter:
         prompt, chosen, rejected, cut = self._truncate(prompt, chosen, rejected)
         if cut:
             self.stats["n_truncated"] += 1
-            if same(chosen, rejected):
+            if label is None and same(chosen, rejected):
                 report.add("identical_after_truncation", where,
                            f"the responses differ only after max_length={c.max_length}; raise it")
                 return None
             if not (chosen[1].any() and rejected[1].any()):
                 report.add("no_loss_tokens", where, f"a response has no loss token left within max_length={c.max_length}")
                 return None
+        if label is not None:  # the completion on its label's side, the other side empty
+            empty = (chosen[0][:0], chosen[1][:0])
+            chosen, rejected = (chosen, empty) if label else (empty, chosen)
         ids = np.concatenate([prompt, chosen[0], rejected[0]]).astype(np.int64)
         flags = np.concatenate([np.zeros(len(prompt), np.uint8),
                                 CHOSEN_BIT | (chosen[1] != 0).astype(np.uint8),
@@ -371,7 +396,8 @@ class PairCache:
     """A built pair cache: ``len(cache)`` pairs; ``cache.pair(i)`` and ``cache.sequence(i, side)``.
 
     Arrays (n_pairs,): ``prompt_len``, ``chosen_len``, ``rejected_len`` int64; ``reward_chosen``,
-    ``reward_rejected``, ``margin`` float64 (NaN = absent); ``effective_margin`` (``margin``, else
+    ``reward_rejected``, ``margin`` float64 (NaN = absent); ``unpaired`` (a KTO cache: ``label`` bool
+    (n,), ``example(i)``); ``effective_margin`` (``margin``, else
     the reward difference). ``reference`` is ``None`` or the attached reference log-probs
     (``{"chosen": (n,), "rejected": (n,)}`` float64 sums over response tokens) with its metadata.
     Pickles as its path (and attached reference name), so DataLoader workers reopen it.
@@ -390,6 +416,11 @@ class PairCache:
             raise CacheError(f"{self.path}: pair lengths disagree with the stored documents (corrupt); rebuild")
         self.reward_chosen, self.reward_rejected, self.margin = (ex[k].astype(np.int64).view(np.float64) for k in _SCORES)
         self.effective_margin = np.where(np.isfinite(self.margin), self.margin, self.reward_chosen - self.reward_rejected)
+        empty_c, empty_r = self.chosen_len == 0, self.rejected_len == 0
+        self.unpaired = bool(len(self) and (empty_c | empty_r).any())
+        if self.unpaired and not (empty_c ^ empty_r).all():
+            raise CacheError(f"{self.path}: mixes pairs and unpaired examples (corrupt); rebuild")
+        self.label = ~empty_c if self.unpaired else None  # unpaired: True = desirable
         self.report, self.n_truncated = self.tokens.report, self.tokens.n_truncated
         self.reference: dict | None = None
         self.reference_name: str | None = None
@@ -410,6 +441,13 @@ class PairCache:
         p, c = int(self.prompt_len[i]), int(self.chosen_len[i])
         loss = flags & LOSS_BIT
         return ids[:p], (ids[p : p + c], loss[p : p + c]), (ids[p + c :], loss[p + c :])
+
+    def example(self, i: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], bool]:
+        """Unpaired caches: (prompt ids, (completion ids, 0/1 loss mask), label) of example ``i``."""
+        if not self.unpaired:
+            raise ValueError(f"{self.path}: a pair cache; example() reads unpaired (KTO) caches")
+        prompt, chosen, rejected = self.pair(i)
+        return (prompt, chosen, True) if self.label[i] else (prompt, rejected, False)
 
     def sequence(self, i: int, side: str) -> tuple[np.ndarray, np.ndarray]:
         """The prompt + ``side`` ("chosen" | "rejected") sequence of pair ``i``: (int64 ids, 0/1 loss mask)."""

@@ -93,7 +93,7 @@ def kto_logps(model, batch: dict, *, chunk_size: int = 1024) -> tuple[torch.Tens
     s = sequence_logprobs(hidden, head_weight(model.lm_head), batch["labels"], cu_seqlens=batch["cu_seqlens"],
                           chunk_size=chunk_size).sum
     b = batch["n_examples"]
-    return s[:b], (s[b:].detach() if s.numel() > b else None)
+    return s[:b], (s[b : 2 * b].detach() if s.numel() > b else None)  # documents after 2B: fillers
 
 
 @torch.no_grad()
