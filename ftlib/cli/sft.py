@@ -47,6 +47,13 @@ data by rank and the loss is normalised by the target tokens of the whole window
         --model meta-llama/Meta-Llama-3-8B-Instruct --data data/chat/ --qlora --grad-ckpt \\
         --seq-len 4096 --batch-size 2 --grad-accum 4 --save-every 200 --out runs/llama3-qlora-fsdp
 
+Long context (``ftlib.long_context``, ``ftlib.distributed.context_parallel``): ``--mlp-chunks K`` runs every
+MLP and RMSNorm over K sequence chunks; ``--offload-activations`` checkpoints every block with its input in
+host memory (instead of --grad-ckpt); ``--context-parallel N`` shards each packed row (--batch-size 1) over
+N ranks in zigzag chunks, consecutive groups of N ranks sharing a row and group g reading the data-parallel
+slice g of world / N. A mixture-of-experts model adds ``router_aux_loss_coef`` (or ``--router-aux-coef``)
+x the load-balancing loss to its training loss and logs it with the expert load every step.
+
 The flags are shared with the other commands and ``ftlib data build`` (``ftlib.train.cli``;
 docs/guides/sft.md has the table): ``--lenient`` skips bad records and saves the report in --out;
 ``--data`` may be a cache built by ``ftlib data build``; the chat template is the
