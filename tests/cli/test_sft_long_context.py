@@ -71,6 +71,10 @@ def test_chunked_mlp_and_offloaded_checkpoints_give_the_plain_losses_and_resume_
         run_in_process(args(user, long, "--mlp-chunks", "4", "--offload-activations", "--resume"))
     with pytest.raises(SystemExit, match=r"offload_activations: True -> False"):
         run_in_process(args(user, long, "--mlp-chunks", "2", "--resume"))
+    # named in --override: taken, and the run continues from step 4 with the new K
+    run_in_process(args(user, long, "--mlp-chunks", "4", "--offload-activations", "--max-steps", "6",
+                        "--override", "mlp_chunks,max_steps", "--resume"))
+    assert [r["step"] for r in steps(long)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_seq_len_past_the_native_context_warns_once(user, tmp_path):
