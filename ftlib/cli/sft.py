@@ -835,7 +835,7 @@ class RouterAuxLMLoss(torch.nn.Module):
     out). Scaled by the micro-batch's target tokens, so that dividing the window's sum by its tokens
     (``TrainOptimizer``) gives ``mean token loss + coef * L_aux`` per micro-batch, token-weighted over
     the window: transformers' ``loss + router_aux_loss_coef * aux_loss`` for one micro-batch.
-    ``last``: (L_aux detached, the RouterStats) of the latest forward, for the metrics.
+    ``last``: (L_aux detached, ``RouterStats.tokens_per_expert()``) of the latest forward, for the metrics.
     """
 
     def __init__(self, model: torch.nn.Module, coef: float, pad_id: int | None):
@@ -849,7 +849,7 @@ class RouterAuxLMLoss(torch.nn.Module):
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         loss, n = chunked_cross_entropy(hidden, head_weight(self.model.lm_head), batch["labels"], softcap=cap)
         aux = stats.load_balancing_loss().to(loss.device)
-        self.last = (aux.detach(), stats)
+        self.last = (aux.detach(), stats.tokens_per_expert())  # not the stats: they hold every layer's logits
         if self.coef:
             loss = loss + self.coef * aux * n.to(loss.device, loss.dtype)
         return loss, n
@@ -866,7 +866,7 @@ def router_metrics(router: list) -> dict:
     (``RouterStats.utilisation``: busiest / idlest expert against an even split, idle experts)."""
     if not router:
         return {}
-    counts = sum(stats.tokens_per_expert() for _, stats in router)
+    counts = sum(c for _, c in router)  # (sparse layers, E)
     even = counts.sum(-1, keepdim=True) / counts.shape[-1]
     load = counts / even.clamp(min=1e-12)
     return {"router_aux_loss": float(sum(float(a) for a, _ in router) / len(router)),
