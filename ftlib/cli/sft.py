@@ -284,6 +284,9 @@ def check_engine(args, world: int) -> None:
         usage_error("--compression is a DDP option (--engine ddp)")
     if args.engine != "fsdp" and (args.shard_size or args.cpu_offload or args.no_reshard_after_forward):
         usage_error("--shard-size, --cpu-offload and --no-reshard-after-forward are FSDP2 options (--engine fsdp)")
+    if args.engine == "ddp" and (args.mlp_chunks or args.offload_activations):
+        usage_error("--mlp-chunks and --offload-activations recompute each chunk / block in backward, which DDP's "
+                    "gradient hooks refuse (a parameter ready twice): use --engine fsdp")
     cp = args.context_parallel or 1
     if cp > 1 and world % cp:
         usage_error(f"--context-parallel {cp} needs a world size divisible by {cp}; torchrun started {world} rank(s)")

@@ -127,3 +127,14 @@ def test_context_parallel_on_two_ranks_equals_one_process(user, tmp_path):
     assert "context parallel: 2 ranks a row" in text, text[-3000:]
     manifest = json.loads((two / "run.json").read_text())
     assert '"context_parallel": 2' in json.dumps(manifest)
+
+    # composed with the chunked MLP and the offloaded checkpoints under FSDP2 (their recomputation attends over
+    # the ring again)
+    both = tmp_path / "cp-long"
+    torchrun("-m", "ftlib", "sft", *args(user, both, "--batch-size", "1", "--context-parallel", "2", "--engine", "fsdp", "--mlp-chunks", "2",
+                                        "--offload-activations"), timeout=300.0)
+    c = losses(both)
+    assert len(c) == 4 and max(abs(x - y) for x, y in zip(a, c)) <= 1e-5, (a, c)
+    with pytest.raises(AssertionError, match="DDP's gradient hooks refuse"):  # recompute in backward: not under DDP
+        torchrun("-m", "ftlib", "sft", *args(user, tmp_path / "ddp", "--batch-size", "1", "--mlp-chunks", "2"),
+                 timeout=300.0)
