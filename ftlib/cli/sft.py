@@ -47,6 +47,13 @@ data by rank and the loss is normalised by the target tokens of the whole window
         --model meta-llama/Meta-Llama-3-8B-Instruct --data data/chat/ --qlora --grad-ckpt \\
         --seq-len 4096 --batch-size 2 --grad-accum 4 --save-every 200 --out runs/llama3-qlora-fsdp
 
+Long context (``ftlib.long_context``, ``ftlib.distributed.context_parallel``): ``--mlp-chunks K`` runs every
+MLP and RMSNorm over K sequence chunks; ``--offload-activations`` checkpoints every block with its input in
+host memory (instead of --grad-ckpt); ``--context-parallel N`` shards each packed row (--batch-size 1) over
+N ranks in zigzag chunks, consecutive groups of N ranks sharing a row and group g reading the data-parallel
+slice g of world / N. A mixture-of-experts model adds ``router_aux_loss_coef`` (or ``--router-aux-coef``)
+x the load-balancing loss to its training loss and logs it with the expert load every step.
+
 The flags are shared with the other commands and ``ftlib data build`` (``ftlib.train.cli``;
 docs/guides/sft.md has the table): ``--lenient`` skips bad records and saves the report in --out;
 ``--data`` may be a cache built by ``ftlib data build``; the chat template is the
@@ -91,19 +98,23 @@ from ftlib.data.cli import FlagError, FlagParser, data_error_message, data_sourc
 from ftlib.data.layouts import record_messages
 from ftlib.data.templates import ChatTemplate
 from ftlib.distributed import (
+    ContextParallelLMLoss,
     ShardedCheckpointer,
+    context_groups,
     export_adapter,
     export_merged,
     init_distributed,
     materialize_sharded,
     meta_model,
     wrap,
+    zigzag_shard,
 )
 from ftlib.evaluation import before_after_table, evaluate, exact_match, heldout_report
+from ftlib.long_context import chunk_mlp, chunk_norms, offload_checkpoints
 from ftlib.lora import LoRAConfig, apply_lora, count_params, save_adapter
-from ftlib.losses import CausalLMLoss
+from ftlib.losses import BATCH_KEYS, CausalLMLoss, chunked_cross_entropy, head_weight
 from ftlib.metrics import FlopsModel, MetricsLogger, TokenStats, device_peak_flops, plot_metrics
-from ftlib.models import load_pretrained, load_tokenizer
+from ftlib.models import RouterStats, load_pretrained, load_tokenizer
 from ftlib.optim import TrainOptimizer, make_adamw, param_groups
 from ftlib.sched import LRScheduler, PlateauCosine, WarmupDecay
 from ftlib.train import (
@@ -152,7 +163,7 @@ SETTINGS = ("model", "kind", "chat_template", "seq_len", "batch_size", "grad_acc
             "lora_plus", "weight_decay", "warmup_ratio", "schedule", "clip", "lora_r", "lora_alpha", "lora_dropout",
             "targets", "rslora", "dora", "qlora", "eval_split", "seed", "augment", "augment_lexicon",
             "augment_swap_prob", "augment_mask_prob", "augment_mask_token", "neftune_alpha", "lenient", "early_stop",
-            "early_stop_delta")
+            "early_stop_delta", "mlp_chunks", "offload_activations", "context_parallel", "router_aux_coef")
 FIXED = ("model", "kind", "chat_template", "seq_len", "lora_r", "lora_alpha", "targets", "rslora", "dora",
          "eval_split", "seed", "precision", "data_fingerprint")
 
@@ -176,6 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dora", action="store_true")
     g.add_argument("--qlora", action="store_true", help="NF4 base weights (double-quantized absmax)")
     g.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on every block")
+    g = p.add_argument_group("long context, mixture of experts")
+    g.add_argument("--mlp-chunks", type=whole(1), default=None,
+                   help="run every MLP (and RMSNorm) over K sequence chunks, recomputed chunk by chunk in backward")
+    g.add_argument("--offload-activations", action="store_true",
+                   help="checkpoint every block with its input in pinned host memory (replaces --grad-ckpt)")
+    g.add_argument("--context-parallel", type=whole(1), default=None,
+                   help="shard each packed row along its length over N ranks (zigzag; torchrun, --batch-size 1)")
+    g.add_argument("--router-aux-coef", type=number(0), default=None,
+                   help="MoE: weight of the load-balancing loss (default: the config's router_aux_loss_coef; 0: off)")
     # several ranks
     g = p.add_argument_group("several ranks")
     g.add_argument("--engine", choices=["none", "ddp", "fsdp"], default=None,
@@ -230,6 +250,20 @@ def parse_args(argv=None):
         parser.error(f"{'--eval-generate' if args.eval_generate else '--sample-every'} needs chat records (--kind chat)")
     if args.early_stop and not (eval_records or args.eval_split):
         parser.error("--early-stop watches the held-out loss: pass --eval-data FILE or --eval-split FRACTION")
+    if args.offload_activations and args.grad_ckpt:
+        parser.error("--offload-activations checkpoints every block itself (input in host memory): drop --grad-ckpt")
+    cp = args.context_parallel
+    if cp and cp > 1:
+        if args.batch_size != 1:
+            parser.error(f"--context-parallel {cp} shards one packed row over {cp} ranks: use --batch-size 1 (and "
+                         "--grad-accum for more rows a step)")
+        if args.seq_len % (2 * cp):
+            parser.error(f"--context-parallel {cp} cuts each row into {2 * cp} equal chunks: --seq-len {args.seq_len} "
+                         f"is not divisible by {2 * cp}")
+        if args.neftune_alpha:
+            parser.error("--neftune-alpha draws its noise for whole rows: not available with --context-parallel")
+        if args.compile:
+            parser.error("--compile is not available with --context-parallel (the attention runs through collectives)")
     check_output_flags(parser, args)
     return args
 
@@ -250,6 +284,15 @@ def check_engine(args, world: int) -> None:
         usage_error("--compression is a DDP option (--engine ddp)")
     if args.engine != "fsdp" and (args.shard_size or args.cpu_offload or args.no_reshard_after_forward):
         usage_error("--shard-size, --cpu-offload and --no-reshard-after-forward are FSDP2 options (--engine fsdp)")
+    if args.engine == "ddp" and (args.mlp_chunks or args.offload_activations):
+        usage_error("--mlp-chunks and --offload-activations recompute each chunk / block in backward, which DDP's "
+                    "gradient hooks refuse (a parameter ready twice): use --engine fsdp")
+    cp = args.context_parallel or 1
+    if cp > 1 and world % cp:
+        usage_error(f"--context-parallel {cp} needs a world size divisible by {cp}; torchrun started {world} rank(s)")
+    if cp > 1 and args.engine == "fsdp" and (args.eval_data or args.eval_split):
+        usage_error("--context-parallel under --engine fsdp does not evaluate held-out data yet: drop --eval-data / "
+                    "--eval-split, or use --engine ddp")
     if args.engine == "fsdp" and (args.eval_generate or args.sample_every):
         if not args.demo or args.sample_every:
             usage_error("--eval-generate and --sample-every are not available under --engine fsdp (generation needs "
@@ -279,8 +322,24 @@ def load_model(args, device: torch.device, precision: str, *, meta: bool = False
     model = meta_model(args.model, dtype=load_dtype) if meta else load_pretrained(args.model, dtype=load_dtype,
                                                                                   device=device)
     tok = load_tokenizer(args.model)
+    moe = getattr(model.config, "num_experts", 0) > 0
+    if moe and (args.mlp_chunks or args.offload_activations or args.context_parallel not in (None, 1)):
+        usage_error("--mlp-chunks, --offload-activations and --context-parallel are not available for a "
+                    f"mixture-of-experts model (--model {args.model}): its router losses need the sparse blocks' own "
+                    "forward with grad; use --grad-ckpt")
+    if args.router_aux_coef is not None and not moe:
+        usage_error(f"--router-aux-coef: --model {args.model} is not a mixture-of-experts model (no num_experts)")
     if args.grad_ckpt:
         model.set_gradient_checkpointing(every=1, part="block")
+    if args.offload_activations:  # checkpointing with each block's input in host memory (ftlib.long_context)
+        offload_checkpoints(model)
+    if args.mlp_chunks:  # the MLP's [T, intermediate] and the norms' fp32 temporaries for T / K tokens at a time
+        chunk_mlp(model, args.mlp_chunks)
+        chunk_norms(model, args.mlp_chunks)
+    limit, scaling = getattr(model.config, "max_position_embeddings", None), getattr(model.config, "rope_scaling", None)
+    if limit and args.seq_len > limit and not scaling and int(os.environ.get("RANK", 0)) == 0:
+        print(f"warning: --seq-len {args.seq_len} is past --model's max_position_embeddings {limit} and its config "
+              "sets no rope_scaling: positions beyond it were never trained", flush=True)
     targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
     lcfg = LoRAConfig(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, target_modules=targets,
                       use_rslora=args.rslora, use_dora=args.dora, quantize="nf4" if args.qlora else None,
@@ -342,9 +401,11 @@ def _overlap(train_docs, eval_docs) -> int:
     return sum(hashlib.sha1(eval_docs[i][0].astype("int64").tobytes()).digest() in seen for i in range(len(eval_docs)))
 
 
-def build_data(args, tok, out: Path, rank: int, device: torch.device, log):
+def build_data(args, tok, out: Path, rank: int, device: torch.device, log, data_slice=None):
     """Tokenize once (cached, fingerprinted), pack rows of seq_len without cross-document attention.
-    --data / --eval-data may also be a cache built by ``ftlib data build``.
+    --data / --eval-data may also be a cache built by ``ftlib data build``. ``data_slice``: (index, count)
+    of the training data's slice this rank reads (default: its rank of the world; --context-parallel N:
+    its group of world / N).
 
     Returns (train loader, eval loader or None, format config, chat template or None, fingerprint of
     the data, number of held-out documents also in the training data)."""
@@ -408,7 +469,8 @@ def build_data(args, tok, out: Path, rank: int, device: torch.device, log):
             train_docs, eval_docs = split_heldout(train_docs, args.eval_split, seed=args.seed)
         if eval_docs is not None:
             check_targets(eval_docs, seq_len=args.seq_len, flag="the held-out split" if args.eval_split else "--eval-data")
-        loader = train_loader(train_docs, batch_size=args.batch_size, seq_len=args.seq_len, pad_id=pad_id,
+        dp = {} if data_slice is None else {"rank": data_slice[0], "world_size": data_slice[1]}
+        loader = train_loader(train_docs, batch_size=args.batch_size, seq_len=args.seq_len, pad_id=pad_id, **dp,
                               seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda",
                               weights=weights)
     except FlagError as e:
@@ -527,7 +589,18 @@ def run(argv: list[str] | None = None):
     log(str(count_params(model)))  # "trainable params: N / M (x%)"
     augment_step = setup_augmentation(args, tok, model, device, rank, log)  # None without the flags
     flops = FlopsModel.from_model(model)  # before sharding: the full parameter shapes
-    train_model = CausalLMLoss(model)  # batch -> (summed loss, target tokens); what DDP / FSDP2 wrap
+    # batch -> (summed loss, target tokens); what DDP / FSDP2 wrap. --context-parallel N: the ranks
+    # [g N, (g + 1) N) share one packed row (zigzag shards), group g reads data-parallel slice g of world / N
+    cp = args.context_parallel or 1
+    cp_group, data_rank = context_groups(cp) if cp > 1 else (None, rank)
+    moe_coef = None
+    if getattr(model.config, "num_experts", 0) > 0:
+        moe_coef = model.config.router_aux_loss_coef if args.router_aux_coef is None else args.router_aux_coef
+        log(f"mixture of experts: {model.config.num_experts} experts, top-{model.config.num_experts_per_tok}; "
+            f"training loss += {moe_coef:g} x load-balancing loss")
+        train_model = RouterAuxLMLoss(model, moe_coef, tok.pad_id)
+    else:
+        train_model = ContextParallelLMLoss(model) if cp > 1 else CausalLMLoss(model)
     if args.compile:  # in place: parameter names (checkpoints, the adapter) stay those of the model
         train_model.compile()
     fsdp = args.engine == "fsdp"
@@ -544,9 +617,13 @@ def run(argv: list[str] | None = None):
     if world > 1:
         seed_everything(args.seed + rank)
     log(f"{args.engine} on {world} rank(s)" + (f", HSDP shard groups of {args.shard_size}" if args.shard_size else ""))
+    if cp > 1:
+        log(f"context parallel: {cp} ranks a row ({args.seq_len // cp} tokens a rank, zigzag), {world // cp} row(s) "
+            "a micro-batch")
 
     # 2. data: each rank its slice of every step.
-    loader, eval_loader, fcfg, template, data_fp, overlap = build_data(args, tok, out, rank, device, log)
+    loader, eval_loader, fcfg, template, data_fp, overlap = build_data(args, tok, out, rank, device, log,
+                                                                       data_slice=(data_rank, world // cp))
     pad_id = loader.opts["pad_id"]
     ps = loader.pack_stats
     if template is not None:
@@ -647,23 +724,26 @@ def run(argv: list[str] | None = None):
         loader.set_epoch(epoch)  # resumes mid-epoch when the loader state says so
         it = iter(loader)
         for _ in range(window, plan.steps_per_epoch):
-            tokens = TokenStats()
+            tokens, router = TokenStats(), []
             for micro in range(args.grad_accum):
                 batch = next(it)
-                tokens.add(batch, pad_id)  # token counts for the metrics, on the CPU copy
+                if rank % cp == 0:  # token counts for the metrics, on the CPU copy (a context group's row once)
+                    tokens.add(batch, pad_id)
                 batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
                 if augment_step is not None:  # fresh on every micro-batch, keyed by (seed + rank, micro index)
                     batch = augment_step(batch, step * args.grad_accum + micro)
                 # several ranks: gradients are exchanged on the window's last micro-batch only
                 with opt.grad_sync(train_model, enabled=micro == args.grad_accum - 1) if world > 1 else nullcontext():
                     with opt.autocast():
-                        loss_sum, n_tok = train_model(batch)
+                        loss_sum, n_tok = train_model(zigzag_shard(batch, cp_group) if cp > 1 else batch)
                     opt.backward(loss_sum, n_tok)  # summed loss; divided by the window's tokens on all ranks
+                if moe_coef is not None:
+                    router.append(train_model_inner(train_model).last)
             res = opt.step(clipper)  # normalise by tokens, clip, step (or skip: every rank together), zero grads
             sched.step(1, loss=res.loss)
             step += 1
             rec = logger.step(step, res, lr=sched.get_last_lr()[0], tokens=tokens, skipped_steps=opt.skipped_steps,
-                              epoch=epoch)
+                              epoch=epoch, **router_metrics(router))
             records.append(rec)
             tokens_seen += rec["tokens"]  # all ranks
             metrics = {}
@@ -748,6 +828,53 @@ def run(argv: list[str] | None = None):
     if world > 1:
         torch.distributed.destroy_process_group()
     return model, records
+
+
+class RouterAuxLMLoss(torch.nn.Module):
+    """``batch -> (summed token loss + coef * L_aux * n, n)`` of a mixture-of-experts model (n: target tokens).
+
+    L_aux is the load-balancing loss of the forward's router logits (``RouterStats``: Switch / Mixtral,
+    ``E * sum_e f_e P_e`` over the sparse layers' tokens, a packed row's padding tail, ``pad_id``, left
+    out). Scaled by the micro-batch's target tokens, so that dividing the window's sum by its tokens
+    (``TrainOptimizer``) gives ``mean token loss + coef * L_aux`` per micro-batch, token-weighted over
+    the window: transformers' ``loss + router_aux_loss_coef * aux_loss`` for one micro-batch.
+    ``last``: (L_aux detached, ``RouterStats.tokens_per_expert()``) of the latest forward, for the metrics.
+    """
+
+    def __init__(self, model: torch.nn.Module, coef: float, pad_id: int | None):
+        super().__init__()
+        self.model, self.coef, self.pad_id, self.last = model, float(coef), pad_id, None
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = batch["input_ids"]
+        stats = RouterStats(token_mask=(ids != self.pad_id) if self.pad_id is not None else None)
+        hidden = self.model.model(ids, **{k: batch[k] for k in BATCH_KEYS if k in batch}, router_stats=stats)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        loss, n = chunked_cross_entropy(hidden, head_weight(self.model.lm_head), batch["labels"], softcap=cap)
+        aux = stats.load_balancing_loss().to(loss.device)
+        self.last = (aux.detach(), stats.tokens_per_expert())  # not the stats: they hold every layer's logits
+        if self.coef:
+            loss = loss + self.coef * aux * n.to(loss.device, loss.dtype)
+        return loss, n
+
+
+def train_model_inner(train_model: torch.nn.Module) -> torch.nn.Module:
+    """The loss module under a DDP wrapper (FSDP2 keeps the module itself)."""
+    return getattr(train_model, "module", train_model)
+
+
+def router_metrics(router: list) -> dict:
+    """The metrics of one step's MoE forwards (this rank's): ``router_aux_loss`` (the load-balancing loss,
+    mean over micro-batches) and the expert load of the summed per-expert token counts
+    (``RouterStats.utilisation``: busiest / idlest expert against an even split, idle experts)."""
+    if not router:
+        return {}
+    counts = sum(c for _, c in router)  # (sparse layers, E)
+    even = counts.sum(-1, keepdim=True) / counts.shape[-1]
+    load = counts / even.clamp(min=1e-12)
+    return {"router_aux_loss": float(sum(float(a) for a, _ in router) / len(router)),
+            "expert_load_max": round(float(load.max()), 4), "expert_load_min": round(float(load.min()), 4),
+            "experts_idle": int((counts == 0).sum())}
 
 
 def setup_augmentation(args, tok, model, device, rank, log):
