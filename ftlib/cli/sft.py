@@ -164,6 +164,8 @@ SETTINGS = ("model", "kind", "chat_template", "seq_len", "batch_size", "grad_acc
             "targets", "rslora", "dora", "qlora", "eval_split", "seed", "augment", "augment_lexicon",
             "augment_swap_prob", "augment_mask_prob", "augment_mask_token", "neftune_alpha", "lenient", "early_stop",
             "early_stop_delta", "mlp_chunks", "offload_activations", "context_parallel", "router_aux_coef")
+# settings added after runs were saved, with the value such a run had (an older checkpoint resumes)
+ADDED = {"mlp_chunks": None, "offload_activations": False, "context_parallel": None, "router_aux_coef": None}
 FIXED = ("model", "kind", "chat_template", "seq_len", "lora_r", "lora_alpha", "targets", "rslora", "dora",
          "eval_split", "seed", "precision", "data_fingerprint")
 
@@ -665,7 +667,7 @@ def run(argv: list[str] | None = None):
         "chat_template": template.text if template else None, "precision": precision, "data_fingerprint": data_fp}
     try:  # weights, optimizer, schedule, clipper, loader position, RNG; settings compared with the saved run's
         resumed = resume_train_state(out / "checkpoints", resume=args.resume, settings=settings, overrides=args.override,
-                                     fixed=FIXED, plan=plan, seed=args.seed, sharded=sharded, log=log,
+                                     fixed=FIXED, added=ADDED, plan=plan, seed=args.seed, sharded=sharded, log=log,
                                      model=train_model if sharded else model, optimizer=opt, scheduler=sched,
                                      clipper=clipper, loader=loader)
     except ResumeError as e:

@@ -113,11 +113,14 @@ _MISSING = object()
 
 
 def compare_settings(saved: Mapping[str, Any], current: Mapping[str, Any], *, overrides: Iterable[str] = (),
-                     fixed: Iterable[str] = (), where: str = "checkpoint") -> dict[str, tuple[Any, Any]]:
+                     fixed: Iterable[str] = (), where: str = "checkpoint",
+                     added: Mapping[str, Any] | None = None) -> dict[str, tuple[Any, Any]]:
     """The changed settings this run takes, ``{name: (old, new)}``; ``ResumeError`` naming every
     change that ``overrides`` does not name, every override of a ``fixed`` setting and every
-    override that names no setting."""
+    override that names no setting. ``added``: settings newer than some saved runs, with the value
+    a run that predates them had (a checkpoint without the key counts as that value, not a change)."""
     overrides, fixed = set(overrides), set(fixed)
+    saved = {**{k: v for k, v in (added or {}).items() if k not in saved}, **saved}
     unknown = sorted(overrides - set(current))
     if unknown:
         raise ResumeError(f"cannot override {', '.join(unknown)}: not a setting of this run "
@@ -207,7 +210,7 @@ def _restore_hparams(scheduler, optimizer, base, groups) -> None:
 def resume_train_state(root: str | os.PathLike, *, resume: bool, settings: Mapping[str, Any],
                        model, optimizer=None, scheduler=None, clipper=None, loader=None,
                        overrides: Iterable[str] = (), fixed: Iterable[str] = (),
-                       plan: StepPlan | None = None, seed: int = 0, sharded: bool = False,
+                       added: Mapping[str, Any] | None = None, plan: StepPlan | None = None, seed: int = 0, sharded: bool = False,
                        log: Callable[[str], Any] = print) -> Resumed:
     """Restore the newest good checkpoint under ``root`` into the given objects (see the module doc).
 
@@ -271,7 +274,7 @@ def resume_train_state(root: str | os.PathLike, *, resume: bool, settings: Mappi
                 f"The global batch must stay: {hint}")
         overrides_taken = compare_settings({k: v for k, v in saved_settings.items() if k not in geometry},
                                            {k: v for k, v in settings.items() if k not in geometry},
-                                           overrides=overrides, fixed=fixed, where=str(path))
+                                           overrides=overrides, fixed=fixed, where=str(path), added=added)
     # 2. the state: the optimizer and schedule hyperparameters stay the ones built from the settings
     base, groups = _fresh_hparams(scheduler, optimizer)
     same_world = saved_world in (None, world) and world == 1

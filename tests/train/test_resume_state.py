@@ -101,3 +101,17 @@ def test_a_used_output_folder_is_not_trained_over(tmp_path):
     logs = []
     got = resume_train_state(tmp_path / "empty", resume=True, settings={}, model=model, log=logs.append)
     assert got.step == 0 and got.path is None and "no checkpoint" in logs[0]
+
+
+def test_a_setting_newer_than_the_saved_run_counts_as_the_value_that_run_had():
+    """``added``: a checkpoint saved before a setting existed resumes when the new run keeps the value
+    that run had; a different value is still a change, refused unless overridden."""
+    saved = {"lr": 2e-4, "seed": 0}
+    added = {"mlp_chunks": None, "offload_activations": False}
+    now = {**saved, "mlp_chunks": None, "offload_activations": False}
+    with pytest.raises(ResumeError, match="mlp_chunks: <unset> -> None"):
+        compare_settings(saved, now)  # without ``added`` an older checkpoint reads as changed
+    assert compare_settings(saved, now, added=added) == {}
+    with pytest.raises(ResumeError, match="mlp_chunks: None -> 4"):
+        compare_settings(saved, {**now, "mlp_chunks": 4}, added=added)
+    assert compare_settings({**saved, "mlp_chunks": 2}, {**now, "mlp_chunks": 2}, added=added) == {}
