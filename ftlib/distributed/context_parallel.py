@@ -75,6 +75,7 @@ self-attention (another length, a key padding mask) raises.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -296,6 +297,11 @@ def context_parallel_attention(q, k, v, layout: ZigzagLayout, *, softmax_scale=N
 
 
 _SHARDS = WeakIdKeyDictionary()  # marker cu_seqlens tensor -> layout
+_LIVE = [0]  # markers alive: a plain int, readable under torch.compile (the dictionary is not)
+
+
+def _forget(_cu_id: int) -> None:
+    _LIVE[0] -= 1
 
 
 def _install_dispatch() -> None:
@@ -308,7 +314,13 @@ def _install_dispatch() -> None:
 
     def attention(q, k, v, *, causal=True, cu_seqlens=None, max_seqlen=None, softmax_scale=None,
                   key_padding_mask=None, sliding_window=None, softcap=None):
-        entry = _SHARDS.get(cu_seqlens) if cu_seqlens is not None else None
+        if torch.compiler.is_compiling():  # dynamo cannot look markers up: no shard may be alive then
+            if _LIVE[0]:
+                raise RuntimeError("context parallel does not run under torch.compile (a shard_segments marker "
+                                   "is alive): train the sharded model eagerly")
+            entry = None
+        else:
+            entry = _SHARDS.get(cu_seqlens) if cu_seqlens is not None else None
         if entry is None:
             return inner(q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                          softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
@@ -334,6 +346,8 @@ def shard_segments(layout: ZigzagLayout, device=None) -> torch.Tensor:
     cu = torch.tensor([0, n], dtype=torch.int32, device=device)
     _install_dispatch()
     _SHARDS[cu] = layout
+    _LIVE[0] += 1
+    weakref.finalize(cu, _forget, id(cu))
     return cu
 
 

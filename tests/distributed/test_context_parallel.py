@@ -180,3 +180,33 @@ def test_ranks_equal_one_process(tmp_path, world):
     assert r["adapter"] <= 1e-5, r["adapter"]  # the exported adapter after one step
     for bug in ("skip_block", "mirrored_off_by_one"):
         assert r[bug]["loss"] > 1e-4 or r[bug]["grad"] > 1e-3, (bug, r[bug])
+
+
+def test_the_dispatch_stays_out_of_compiled_models():
+    """Once context parallel has wrapped the model's attention (it stays wrapped for the process), a
+    compiled model without a live shard still compiles whole; with a live shard marker compiling is
+    refused with a clear error (the marker cannot be looked up inside a graph)."""
+    import gc
+
+    from ftlib.models import llama
+
+    cp._install_dispatch()
+    assert getattr(llama.attention, "zigzag_dispatch", False)
+    gc.collect()
+    assert cp._LIVE[0] == 0
+    q = torch.randn(8, 2, 16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+
+    def f(q):
+        return llama.attention(q, q, q, causal=True, cu_seqlens=cu, max_seqlen=5)
+
+    explain = torch._dynamo.explain(f)(q)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    cp._LIVE[0] += 1  # as a live shard_segments marker does
+    try:
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="context parallel does not run under torch.compile"):
+            torch.compile(f, backend="eager", fullgraph=True)(q)
+    finally:
+        cp._LIVE[0] -= 1
+        torch._dynamo.reset()

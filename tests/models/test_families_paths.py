@@ -59,11 +59,15 @@ def test_adapters_both_ways(case, dora, pair, tmp_path):
     _, fresh = pair(case)
     load_adapter(fresh, tmp_path / "peft")
     with torch.no_grad():
-        assert max_diff(fresh(x), pm2(x).logits) <= 1e-5
+        # PEFT's own random adapter (init_lora_weights=False) moves logits to |z| ~ 3: the bound is 1e-5
+        # relative to the logits' scale (fp32 summation order: PEFT adds the adapter after the base GEMM)
+        want = pm2(x).logits
+        tol = 1e-5 * max(1.0, float(want.abs().max()))
+        assert max_diff(fresh(x), want) <= tol
     save_merged(fresh, tmp_path / "merged", dtype=torch.float32)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
-        assert max_diff(back(x).logits, pm2(x).logits) <= 1e-5
+        assert max_diff(back(x).logits, want) <= tol
 
 
 @pytest.mark.parametrize("case", ["qwen3", "gemma3", "phi3-partial-longrope-tied"])
